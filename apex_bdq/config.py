@@ -1,0 +1,203 @@
+"""One config tree of frozen dataclasses.
+
+Every field has a docstring-style comment; derived values are properties computed from the
+fields; bad values fail in ``__post_init__`` with a message that names the field and the
+value that was given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+class ConfigError(ValueError):
+    """A config value is out of range or inconsistent with another."""
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+@dataclass(frozen=True)
+class TraceConfig:
+    """Where arrival rates come from and how they are shaped."""
+
+    path: Optional[str] = None
+    """CSV trace; None selects the bundled Azure Functions 2019 4-class trace."""
+    columns: Optional[tuple[str, ...]] = None
+    """Rate columns to use. None: the bundled trace's class columns, or the first numeric
+    column of any other file. One column is split over the classes by `SimConfig.class_share`;
+    K columns map one-to-one onto the K classes."""
+    interval_s: Optional[float] = None
+    """Seconds between rows. None: read from the time column, else from a `_5min` / `_1min` /
+    `_1s` suffix in the file name."""
+    eval_fraction: float = 0.25
+    """The last `eval_fraction` of the trace is held out for evaluation."""
+    poisson_noise: bool = True
+    """Draw per-tick arrivals from Poisson(rate * tick); off gives the fluid mean."""
+
+    def __post_init__(self) -> None:
+        _check(0.0 < self.eval_fraction < 1.0,
+               f"trace.eval_fraction must be in (0, 1), got {self.eval_fraction!r}")
+        _check(self.interval_s is None or self.interval_s > 0,
+               f"trace.interval_s must be > 0, got {self.interval_s!r}")
+        if self.columns is not None:
+            _check(len(self.columns) > 0, "trace.columns must name at least one column")
+
+
+# Service times of the bundled trace's four classes: invocation-weighted mean duration of the
+# Azure Functions 2019 top-50 functions grouped by mean duration (apex_bdq/data/
+# azure_functions2019_4class_meta.csv; a test keeps the two equal).
+BUNDLED_SERVICE_TIME_S = (0.0600, 3.3057, 13.3921, 321.1498)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """The platform simulator: S shards, K request classes, D action branches of n choices."""
+
+    num_shards: int = 8
+    """S: shards simulated side by side (one vectorised array axis)."""
+    num_classes: int = 4
+    """K: request classes per shard."""
+    sub_actions: int = 5
+    """n: choices per action branch."""
+    per_class_capacity: bool = False
+    """False: branches (capacity, priority, admission, scheduling), D=4. True: one capacity
+    branch per class plus admission and scheduling, D=K+2 (priority is then implied)."""
+    history: int = 8
+    """H: ticks of per-class history in the micro observation."""
+    tick_s: float = 1.0
+    """Platform seconds per decision tick."""
+    monitor_lag_s: float = 15.0
+    """Lag of the monitored macro signals (Kubernetes metrics-server resolution, 15 s)."""
+    provisioning_delay_s: float = 60.0
+    """New capacity serves after this delay (VM start-up of tens of seconds to ~2 minutes:
+    Mao & Humphrey, IEEE CLOUD 2012). Removal is immediate."""
+    accounting_window_s: float = 60.0
+    """SLO compliance is settled, and penalised, once per window (delayed reward)."""
+    episode_s: float = 3600.0
+    """Platform time per training episode."""
+    mean_load_erlangs: float = 48.0
+    """Mean offered load per shard, in busy servers, that the trace is normalised to."""
+    class_share: Optional[tuple[float, ...]] = None
+    """Share of the mean load per class; None = equal shares."""
+    service_time_s: tuple[float, ...] = BUNDLED_SERVICE_TIME_S
+    """Mean service time per class at full speed (exponential, M/M/c)."""
+    slo_factor: tuple[float, ...] = (1.5, 2.0, 3.0, 4.0)
+    """p99 latency SLO per class as a multiple of its mean service time."""
+    max_servers: int = 256
+    """Capacity limit per shard (all pools together)."""
+    min_servers: int = 1
+    """Capacity floor per pool."""
+    initial_utilisation: float = 0.6
+    """Episodes start with capacity = offered load / this (a warm platform)."""
+    capacity_step: float = 0.2
+    """Largest relative capacity change one tick can ask for; choices are evenly spaced in
+    [-capacity_step, +capacity_step], non-zero choices move at least one server."""
+    priority_tilt: float = 1.0
+    """Largest log-weight tilt of the capacity shares towards tight-SLO classes."""
+    speed_min: float = 0.6
+    """Slowest service-speed level of the scheduling branch (1.0 is the fastest)."""
+    idle_power_frac: float = 0.5
+    """Server power when idle as a share of peak (Barroso & Hoelzle, IEEE Computer 2007);
+    the dynamic part scales with utilisation x speed^3."""
+    revenue_per_work: float = 2.0
+    """Reward per server-second of work served (objective weight, not a platform figure)."""
+    drop_penalty: float = 1.0
+    """Penalty per server-second of work refused by admission (objective weight)."""
+    slo_credit: float = 1.0
+    """Share of a class's revenue in a window that is paid back when its SLO is broken."""
+    latency_cap_factor: float = 20.0
+    """Reported latency is capped at this multiple of the class SLO (overload)."""
+    trace: TraceConfig = field(default_factory=TraceConfig)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self.num_shards >= 1, f"sim.num_shards must be >= 1, got {self.num_shards!r}")
+        _check(self.num_classes >= 1, f"sim.num_classes must be >= 1, got {self.num_classes!r}")
+        _check(self.sub_actions >= 2, f"sim.sub_actions must be >= 2, got {self.sub_actions!r}")
+        _check(self.history >= 1, f"sim.history must be >= 1, got {self.history!r}")
+        _check(self.tick_s > 0, f"sim.tick_s must be > 0, got {self.tick_s!r}")
+        for name in ("monitor_lag_s", "provisioning_delay_s"):
+            _check(getattr(self, name) >= 0, f"sim.{name} must be >= 0, got {getattr(self, name)!r}")
+        for name in ("accounting_window_s", "episode_s", "mean_load_erlangs"):
+            _check(getattr(self, name) > 0, f"sim.{name} must be > 0, got {getattr(self, name)!r}")
+        k = self.num_classes
+        for name in ("service_time_s", "slo_factor") + (("class_share",) if self.class_share else ()):
+            val = getattr(self, name)
+            _check(len(val) == k, f"sim.{name} needs one value per class (num_classes={k}), got {val!r}")
+            _check(all(v > 0 for v in val), f"sim.{name} values must be > 0, got {val!r}")
+        _check(self.min_servers >= 0, f"sim.min_servers must be >= 0, got {self.min_servers!r}")
+        _check(self.max_servers >= max(1, self.min_servers * self.num_pools),
+               f"sim.max_servers={self.max_servers} is below min_servers x pools "
+               f"({self.min_servers} x {self.num_pools})")
+        _check(0 < self.initial_utilisation <= 1,
+               f"sim.initial_utilisation must be in (0, 1], got {self.initial_utilisation!r}")
+        _check(0 < self.capacity_step < 1, f"sim.capacity_step must be in (0, 1), got {self.capacity_step!r}")
+        _check(0 < self.speed_min <= 1, f"sim.speed_min must be in (0, 1], got {self.speed_min!r}")
+        _check(0 <= self.idle_power_frac <= 1,
+               f"sim.idle_power_frac must be in [0, 1], got {self.idle_power_frac!r}")
+        _check(self.latency_cap_factor > 1,
+               f"sim.latency_cap_factor must be > 1, got {self.latency_cap_factor!r}")
+        _check(self.episode_ticks >= 1, f"sim.episode_s={self.episode_s} is shorter than one tick")
+
+    # -- derived values ------------------------------------------------------------------
+    @property
+    def num_pools(self) -> int:
+        """Capacity pools: one shared pool, or one per class."""
+        return self.num_classes if self.per_class_capacity else 1
+
+    @property
+    def num_branches(self) -> int:
+        """D: action branches."""
+        return self.num_classes + 2 if self.per_class_capacity else 4
+
+    @property
+    def branch_names(self) -> tuple[str, ...]:
+        if self.per_class_capacity:
+            return tuple(f"capacity_{k}" for k in range(self.num_classes)) + ("admission", "scheduling")
+        return ("capacity", "priority", "admission", "scheduling")
+
+    @property
+    def episode_ticks(self) -> int:
+        return int(round(self.episode_s / self.tick_s))
+
+    @property
+    def lag_ticks(self) -> int:
+        return int(round(self.monitor_lag_s / self.tick_s))
+
+    @property
+    def delay_ticks(self) -> int:
+        return int(round(self.provisioning_delay_s / self.tick_s))
+
+    @property
+    def window_ticks(self) -> int:
+        return max(1, int(round(self.accounting_window_s / self.tick_s)))
+
+    @property
+    def shares(self) -> tuple[float, ...]:
+        s = self.class_share or (1.0,) * self.num_classes
+        tot = float(sum(s))
+        return tuple(v / tot for v in s)
+
+    def replace(self, **changes: Any) -> "SimConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def sim_config_from_dict(d: dict) -> SimConfig:
+    """Rebuild a SimConfig from `dataclasses.asdict` output (lists back to tuples)."""
+    d = dict(d)
+    tr = dict(d.pop("trace", {}) or {})
+    if tr.get("columns") is not None:
+        tr["columns"] = tuple(tr["columns"])
+    for k in ("class_share", "service_time_s", "slo_factor"):
+        if d.get(k) is not None:
+            d[k] = tuple(d[k])
+    known = {f.name for f in dataclasses.fields(SimConfig)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ConfigError(f"unknown sim config keys: {unknown}")
+    return SimConfig(trace=TraceConfig(**tr), **d)

@@ -1,0 +1,409 @@
+"""PlatformSim: S platform shards x K request classes, vectorised in numpy.
+
+Per tick and shard (DESIGN.md, "The learning problem"):
+  1. servers whose provisioning delay has passed become active;
+  2. the action sets the capacity target (new servers enter a `delay` pipeline, removals
+     cancel the newest pending servers first, then remove active ones), the priority tilt,
+     the admission level and the service-speed (scheduling) level;
+  3. active servers are split between classes by requests in service (an M/M/inf
+     estimate from the admitted arrivals) x priority weight;
+  4. arrivals ~ Poisson(rate(t) * tick) from the trace, per shard with its own phase;
+  5. per class an M/M/c queue: the stationary wait from Erlang C, a fluid backlog for
+     overload, admission drops when the backlog exceeds the admission limit;
+  6. p99 latency = service time + Erlang-C p99 wait + backlog drain time;
+  7. reward = revenue of served work - power cost - drop penalty - SLO credit, the last
+     settled once per accounting window (delayed, sparse);
+  8. macro observations are averaged over the monitoring resolution and read through a
+     monitoring lag (metrics-server style); micro ones are immediate.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from apex_bdq.config import SimConfig
+from apex_bdq.sim.queueing import ErlangCTable
+from apex_bdq.sim.trace import BUNDLED_COLUMNS, BUNDLED_TRACE, TickRates, load_trace, make_tick_rates
+
+# Feature layout of the observations (names are part of the interface, for plots and tests).
+MACRO_MONITORED = ("load", "utilisation", "window_utilisation", "window_cost", "window_slo_violation",
+                   "window_drop", "backlog")
+MACRO_CONTROL = ("tod_sin", "tod_cos", "active", "pending", "target", "priority_level",
+                 "admission_level", "speed_level")
+MACRO_FEATURES = MACRO_MONITORED + MACRO_CONTROL
+MICRO_FEATURES = ("arrivals", "backlog", "p99_over_slo", "drops", "servers")
+P99_Q = 0.01  # tail mass of the p99
+
+
+class ActionError(ValueError):
+    """An action array has the wrong shape, type or range."""
+
+
+@dataclass(frozen=True)
+class Observation:
+    macro: np.ndarray  # [S, Fm] float32
+    micro: np.ndarray  # [S, K, H, Fu] float32
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_rates(cfg_key: tuple) -> TickRates:
+    (path, columns, interval_s, tick_s, k, svc, share, load, eval_frac) = cfg_key
+    tr = load_trace(path, columns, interval_s)
+    return make_tick_rates(tr, tick_s, k, svc, share, load, eval_frac)
+
+
+def make_rates(cfg: SimConfig) -> TickRates:
+    """The trace of `cfg`, resampled and normalised (cached per process)."""
+    t = cfg.trace
+    path = str(t.path or BUNDLED_TRACE)
+    columns = t.columns if t.columns is not None else (BUNDLED_COLUMNS if t.path is None else None)
+    return _cached_rates((path, columns, t.interval_s, cfg.tick_s, cfg.num_classes, cfg.service_time_s,
+                          cfg.shares, cfg.mean_load_erlangs, t.eval_fraction))
+
+
+class PlatformSim:
+    """Vectorised simulator; see the module docstring for the dynamics.
+
+    split: "train" (random phase per shard at reset) or "eval" (phases evenly spaced over
+    the held-out range, so S shards x range/S ticks cover it once).
+    copy_obs: True returns fresh observation arrays; False returns the micro history as a
+    view into the simulator's ring buffer, valid until the next `step` (the zero-copy path
+    a trainer uses when it copies observations into replay itself, like gymnasium's
+    `copy=False`).
+    Per-class arrays are float32 (half the memory traffic of float64 on the hot path);
+    server counts are integers.
+    """
+
+    def __init__(self, cfg: SimConfig = SimConfig(), split: str = "train",
+                 rates: Optional[TickRates] = None, copy_obs: bool = True) -> None:
+        if split not in ("train", "eval"):
+            raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+        self.cfg = cfg
+        self.split = split
+        self.copy_obs = copy_obs
+        self.rates = rates if rates is not None else make_rates(cfg)
+        if self.rates.rates.shape[1] != cfg.num_classes:
+            raise ValueError(f"rates have {self.rates.rates.shape[1]} classes, config has {cfg.num_classes}")
+        S, K, H, n = cfg.num_shards, cfg.num_classes, cfg.history, cfg.sub_actions
+        self.S, self.K, self.H, self.n, self.P, self.D = S, K, H, n, cfg.num_pools, cfg.num_branches
+        self.dt = cfg.tick_s
+        self.range = self.rates.train if split == "train" else self.rates.eval
+        self.range_len = self.range[1] - self.range[0]
+        f32 = np.float32
+        svc_time = np.asarray(cfg.service_time_s, dtype=np.float64)
+        self.mu = (1.0 / svc_time).astype(f32)  # [K] per second per server at full speed
+        self.inv_mu = svc_time.astype(f32)  # [K] server-seconds of work per request
+        self.slo = (np.asarray(cfg.slo_factor) * svc_time).astype(f32)  # [K] p99 target, seconds
+        self.lat_cap = (cfg.latency_cap_factor * self.slo).astype(f32)  # [K]
+        self.mean_load = cfg.mean_load_erlangs
+        self.class_load = (np.asarray(cfg.shares) * cfg.mean_load_erlangs).astype(f32)  # [K] Erlangs
+        self.inv_class_load = (1.0 / self.class_load).astype(f32)
+        self.inv_mean_n = (1.0 / (self.class_load * self.mu * self.dt)).astype(f32)  # [K]
+        self.inv_slo = (1.0 / self.slo).astype(f32)
+        self.lam_table = self.rates.rates.astype(f32)  # [T, K]
+        self.erlang = ErlangCTable(cfg.max_servers)
+        self.onesK = np.ones(K, dtype=f32)  # row sums as matmuls: 5x faster than .sum(1) on [S, K]
+        self.cum_mat = np.triu(np.ones((K, K), dtype=f32))  # x @ cum_mat = cumsum over classes
+        self.diff_mat = (np.eye(K) - np.eye(K, k=1)).astype(f32)  # x @ diff_mat = diff, first kept
+        # Choices per branch, derived once.
+        self.cap_steps = np.linspace(-cfg.capacity_step, cfg.capacity_step, n)  # [n]
+        tilts = np.linspace(-cfg.priority_tilt, cfg.priority_tilt, n)  # [n]
+        class_rank = np.linspace(1.0, -1.0, K) if K > 1 else np.zeros(1)  # tight SLO first
+        self.tilt_w = np.exp(tilts[:, None] * class_rank[None, :]).astype(f32)  # [n, K]
+        # Admission limit on the backlog, in SLOs of drain time; level 0 admits everything.
+        adm = np.array([1e12] + [2.0 ** (n - 2 - lvl) for lvl in range(n - 1)])  # [n]
+        self.adm_slo = (adm[:, None] * self.slo[None, :]).astype(f32)  # [n, K] seconds
+        self.speeds = np.linspace(cfg.speed_min, 1.0, n).astype(f32)  # [n]
+        self.speeds3 = self.speeds ** 3
+        self.pool_max = cfg.max_servers // self.P
+        self.L = max(1, cfg.delay_ticks)  # provisioning ring: one slot per tick of delay
+        self.lag = cfg.lag_ticks
+        # Monitored per-tick signals are averaged over the monitoring resolution (an EWMA of
+        # that time constant), then reported `lag` ticks late.
+        self.mon_alpha = np.float32(1.0 / max(1, self.lag))
+        self.W = cfg.window_ticks
+        self.rng = np.random.default_rng(cfg.seed)
+        self.reset(seed=cfg.seed)
+
+    # ---------------------------------------------------------------------------------
+    def reset(self, seed: Optional[int] = None) -> Observation:
+        if seed is not None:
+            self.rng = np.random.default_rng(seed)
+        S, K, P, H = self.S, self.K, self.P, self.H
+        f32 = np.float32
+        lo = self.range[0]
+        if self.split == "train":
+            self.offset = lo + self.rng.integers(0, self.range_len, size=S)
+        else:
+            self.offset = lo + (np.arange(S) * self.range_len) // S
+        self.t = 0
+        lam = self.lam_table[self.offset]  # [S, K]
+        load = lam * self.inv_mu  # [S, K] Erlangs
+        if P == 1:
+            init = np.ceil(load.sum(1, keepdims=True) / self.cfg.initial_utilisation)
+        else:
+            init = np.ceil(load / self.cfg.initial_utilisation)
+        self.target = np.clip(init, self.cfg.min_servers, self.pool_max).astype(np.int32)  # [S, P]
+        self.active = self.target.copy()  # [S, P]
+        # Provisioning pipeline as cumulative launch counts: slot t % L holds the servers
+        # launched up to tick t, read back d ticks later. Cancelling the newest pending
+        # servers first is then a cap of the whole ring at the new launch total.
+        self.launched = np.zeros((S, P), dtype=np.int32)
+        self.activated = np.zeros((S, P), dtype=np.int32)
+        self.launch_ring = np.zeros((self.L, S, P), dtype=np.int32)
+        self.pending = np.zeros((S, P), dtype=np.int32)
+        self.ring_ptr = 0
+        self.level = np.empty((S, 3), dtype=np.int64)  # priority, admission, speed levels
+        self.level[:] = (self.n // 2, 0, self.n - 1)
+        self.load_est = (load + 1e-6).astype(f32)  # [S, K]
+        self.backlog = np.zeros((S, K), dtype=f32)
+        # Accounting window accumulators.
+        self.win_req = np.zeros((S, K), dtype=f32)
+        self.win_late = np.zeros((S, K), dtype=f32)
+        self.win_work = np.zeros((S, K), dtype=f32)
+        self.win = np.zeros((4, S), dtype=f32)  # busy, capacity, cost, drops
+        self.last_window = np.zeros((S, 4), dtype=f32)  # utilisation, cost, SLO violation, drop
+        # Observation buffers: micro history is doubled so the last H ticks are one slice.
+        fu = len(MICRO_FEATURES)
+        self.micro_buf = np.zeros((S, K, 2 * H, fu), dtype=f32)
+        self.frame = np.zeros((S, K, fu), dtype=f32)  # this tick's micro features
+        # The same memory seen as one opaque item per (shard, class, tick): copying a frame
+        # into the history is then 4 K items of 20 bytes, not 20 K strided floats (3x faster).
+        as_item = np.dtype((np.void, 4 * fu))
+        self.micro_items = self.micro_buf.view(as_item)[..., 0]  # [S, K, 2H]
+        self.frame_items = self.frame.view(as_item)[..., 0]  # [S, K]
+        self.hist_ptr = 0
+        self.mon_ring = np.zeros((self.lag + 1, S, len(MACRO_MONITORED)), dtype=f32)
+        self.mon_ptr = 0
+        mon = self.mon_ring[0]
+        mon[:, 0] = load.sum(1) / self.mean_load
+        mon[:, 1] = self.cfg.initial_utilisation
+        self.mon_ring[:] = mon
+        self.servers_k = self._split_capacity()
+        return self._observe()
+
+    # ---------------------------------------------------------------------------------
+    def check_actions(self, actions) -> np.ndarray:
+        a = np.asarray(actions)
+        if a.shape != (self.S, self.D):
+            raise ActionError(f"actions must have shape [S={self.S}, D={self.D}] "
+                              f"(branches {self.cfg.branch_names}), got {a.shape}")
+        if a.dtype.kind not in "iu":
+            if a.dtype.kind != "f" or not np.all(np.isfinite(a)) or not np.all(a == np.round(a)):
+                raise ActionError(f"actions must be integers in [0, {self.n - 1}], got dtype {a.dtype} "
+                                  f"with values like {a.reshape(-1)[:4].tolist()}")
+            a = a.astype(np.int64)
+        if (a.view(np.uint64 if a.itemsize == 8 else f"u{a.itemsize}") >= self.n).any():  # < 0 wraps high
+            bad = np.argwhere((a < 0) | (a >= self.n))[0]
+            raise ActionError(f"action out of range: shard {bad[0]} branch "
+                              f"{self.cfg.branch_names[bad[1]]!r} = {a[bad[0], bad[1]]}, "
+                              f"valid choices are 0..{self.n - 1}")
+        return a
+
+    def _split_capacity(self) -> np.ndarray:
+        """Integer servers per class [S, K] (float32)."""
+        if self.P > 1:
+            return self.active.astype(np.float32)
+        w = (self.load_est + 1e-3) * self.tilt_w[self.level[:, 0]]  # [S, K] est. load x priority
+        cum = w @ self.cum_mat
+        # Cumulative rounding: integers that sum exactly to the active servers.
+        cum = np.rint(cum * (self.active[:, :1] / cum[:, -1:]).astype(np.float32))
+        return cum @ self.diff_mat
+
+    # ---------------------------------------------------------------------------------
+    def step(self, actions, capacity_target=None):
+        """Advance one tick.
+
+        actions: int [S, D]. capacity_target: optional int [S, P] that replaces the capacity
+        branches (how rule-based baselines set replicas directly).
+        Returns (obs, reward [S] float64, truncated: bool, info: dict of arrays).
+        """
+        a = self.check_actions(actions)
+        cfg, S, K, P, dt = self.cfg, self.S, self.K, self.P, self.dt
+
+        # 1. provisioning: servers launched `delay` ticks ago become active.
+        delayed = cfg.delay_ticks > 0
+        if delayed:
+            due = np.maximum(self.launch_ring[self.ring_ptr] - self.activated, 0)
+            self.activated += due
+            self.active += due
+
+        # 2. decode the action; reconcile provisioned capacity with the target.
+        if capacity_target is not None:
+            ct = np.asarray(capacity_target)
+            if ct.shape != (S, P) or ct.dtype.kind not in "iu":
+                raise ActionError(f"capacity_target must be integers of shape [S={S}, P={P}], got "
+                                  f"{ct.dtype} {ct.shape}")
+            self.target = np.clip(ct, cfg.min_servers, self.pool_max).astype(np.int32)
+        else:
+            step = self.cap_steps[a[:, :P]]  # [S, P]
+            delta = np.sign(step) * np.maximum(1.0, np.rint(np.abs(step) * self.target))
+            self.target = np.clip(self.target + delta.astype(np.int32), cfg.min_servers, self.pool_max)
+        if P == 1:
+            self.level[:, 0] = a[:, 1]
+        self.level[:, 1:] = a[:, -2:]
+        pending = self.launched - self.activated
+        gap = self.target - (self.active + pending)  # [S, P]
+        shrink = np.maximum(-gap, 0)
+        if delayed:
+            cancel = np.minimum(shrink, pending)  # newest pending first
+            self.launched += np.maximum(gap, 0) - cancel
+            if cancel.any():
+                np.minimum(self.launch_ring, self.launched, out=self.launch_ring)
+            self.launch_ring[self.ring_ptr] = self.launched
+            self.ring_ptr = (self.ring_ptr + 1) % self.L
+            self.pending = self.launched - self.activated
+            shrink -= cancel
+        else:
+            self.active += np.maximum(gap, 0)
+        # Removal beyond the pending servers takes active ones, down to the floor.
+        self.active = np.maximum(self.active - shrink, np.minimum(self.active, cfg.min_servers))
+
+        # 3. split servers between classes; service rate at the chosen speed.
+        self.servers_k = c = self._split_capacity()  # [S, K] float32 integers
+        lvl_speed = self.level[:, 2]
+        spd = self.speeds[lvl_speed]  # [S]
+        mus = self.mu * spd[:, None]  # [S, K] per-server rate
+        rate = c * mus  # [S, K] requests per second
+
+        # 4. arrivals from the trace, each shard at its own phase.
+        idx = self.range[0] + (self.offset - self.range[0] + self.t) % self.range_len
+        lam = self.lam_table[idx]  # [S, K] per second
+        mean_n = lam * dt if dt != 1.0 else lam
+        arrivals = self.rng.poisson(mean_n).astype(np.float32) if cfg.trace.poisson_noise else mean_n.copy()
+
+        # 5. queues: fluid backlog beyond what capacity serves; admission drops its excess.
+        avail = self.backlog + arrivals
+        served = np.minimum(avail, rate * dt)
+        q = avail - served
+        drops = np.maximum(q - rate * self.adm_slo[self.level[:, 1]], 0.0)
+        self.backlog = backlog = q - drops
+
+        # 6. latency: service + Erlang-C p99 wait at the true rate + backlog drain time.
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            inv_rate = 1.0 / np.maximum(rate, 1e-9)
+            pw = self.erlang(c, lam * inv_rate)  # [S, K] P(wait)
+            theta = rate - lam
+            w99 = np.maximum(np.log(pw * (1.0 / P99_Q)) / np.maximum(theta, 1e-9), 0.0)
+            drain = backlog * inv_rate
+            svc = 1.0 / mus
+            p99 = np.minimum(svc + w99 + drain, self.lat_cap)
+            budget = self.slo - svc - drain
+            late = np.where(budget > 0, np.minimum(pw * np.exp(-theta * budget), 1.0), 1.0)
+
+        # 7. accounting, normalised by the mean load so rewards are O(1) at any scale.
+        # Requests in service per class follow dN/dt = admitted rate - mu s N (an EWMA at
+        # rate mu s: instant for short jobs, slow for long ones), capped by the class's
+        # servers. Busy servers come from N, not from the fluid queue's drain, which would
+        # spread one long request over all of a class's servers for a few ticks.
+        ones = self.onesK
+        mus_dt = mus * dt
+        alpha = np.minimum(mus_dt, 1.0)
+        admitted = np.maximum(arrivals - drops, 0.0)  # drops can also come out of the backlog
+        self.load_est += alpha * (admitted / mus_dt - self.load_est)
+        busy_k = np.minimum(self.load_est, c)  # [S, K] busy servers
+        busy = (busy_k @ ones).astype(np.float64) * dt  # [S] busy server-seconds
+        work = served * self.inv_mu  # [S, K] server-seconds of work completed, at full speed
+        work_s = (work @ ones).astype(np.float64)  # [S]
+        servers = self.active[:, 0] if P == 1 else self.active.sum(1)
+        pend = self.pending[:, 0] if P == 1 else self.pending.sum(1)
+        cost = cfg.idle_power_frac * (servers + pend) * dt \
+            + (1.0 - cfg.idle_power_frac) * busy * self.speeds3[lvl_speed]
+        revenue = cfg.revenue_per_work * work_s
+        drop_pen = cfg.drop_penalty * ((drops * self.inv_mu) @ ones)
+        self.win_req += arrivals
+        self.win_late += late * admitted + drops
+        self.win_work += work
+        win = self.win
+        win[0] += busy
+        win[1] += servers * dt
+        win[2] += cost
+        win[3] += drops @ ones
+        self.t += 1
+        norm = self.mean_load * dt
+        violated = None
+        if self.t % self.W == 0:
+            violated = self.win_late > P99_Q * self.win_req  # [S, K]
+            slo_pen = cfg.slo_credit * cfg.revenue_per_work * ((violated * self.win_work) @ ones)
+            lw = self.last_window
+            lw[:, 0] = win[0] / np.maximum(win[1], 1e-9)
+            lw[:, 1] = win[2] / (norm * self.W)
+            lw[:, 2] = (violated @ ones) / K
+            lw[:, 3] = win[3] / np.maximum(self.win_req @ ones, 1.0)
+            for acc in (self.win_req, self.win_late, self.win_work, win):
+                acc[...] = 0.0
+            reward = (revenue - cost - drop_pen - slo_pen) / norm
+        else:
+            slo_pen = np.zeros(S)
+            reward = (revenue - cost - drop_pen) / norm
+
+        # 8. monitoring ring (averaged, read back with a lag), micro history.
+        util = busy / np.maximum(servers * dt, 1e-9)
+        offered = (lam * self.inv_mu) @ ones
+        prev = self.mon_ring[self.mon_ptr]
+        self.mon_ptr = (self.mon_ptr + 1) % (self.lag + 1)
+        mon = self.mon_ring[self.mon_ptr]
+        mon[:, 2:6] = self.last_window
+        a_m = self.mon_alpha
+        mon[:, 0] = prev[:, 0] + a_m * (offered * (1.0 / self.mean_load) - prev[:, 0])
+        mon[:, 1] = prev[:, 1] + a_m * (util - prev[:, 1])
+        mon[:, 6] = prev[:, 6] + a_m * (((backlog * self.inv_mu) @ ones) * (1.0 / self.mean_load) - prev[:, 6])
+        self.hist_ptr = h = (self.hist_ptr + 1) % self.H
+        frame = self.frame  # [S, K, Fu]
+        frame[..., 0] = arrivals * self.inv_mean_n
+        frame[..., 1] = np.minimum(backlog * inv_rate * self.inv_slo, 10.0)
+        frame[..., 2] = p99 * self.inv_slo
+        frame[..., 3] = drops * self.inv_mean_n
+        frame[..., 4] = c * self.inv_class_load
+        self.micro_items[:, :, h] = self.frame_items
+        self.micro_items[:, :, h + self.H] = self.frame_items
+
+        x = (1.0 - drops / np.maximum(arrivals, 1.0)) * np.minimum(self.slo / p99, 1.0)  # [S, K]
+        info = {
+            # reward components (normalised like the reward)
+            "served": revenue / norm, "cost": cost / norm, "slo_penalty": slo_pen / norm,
+            "drop_penalty": drop_pen / norm,
+            # preference metrics
+            "overload": (((backlog > 0) | (theta <= 0)) @ ones) > 0,
+            "fairness": (x @ ones) ** 2 / (K * np.maximum((x * x) @ ones, 1e-12)),
+            "slo_violation": ((p99 > self.slo) @ ones) > 0,
+            "window_violated": violated,
+            # platform state
+            "p99_s": p99, "utilisation": util, "servers": servers, "pending": pend,
+            "arrivals": arrivals, "served_requests": served, "dropped": drops, "backlog": backlog,
+            "offered_erlangs": offered,
+        }
+        truncated = self.t >= cfg.episode_ticks
+        return self._observe(), reward, truncated, info
+
+    def _observe(self) -> Observation:
+        S, n = self.S, self.n
+        macro = np.empty((S, len(MACRO_FEATURES)), dtype=np.float32)
+        m = len(MACRO_MONITORED)
+        macro[:, :m] = self.mon_ring[(self.mon_ptr - self.lag) % (self.lag + 1)]
+        idx = self.range[0] + (self.offset - self.range[0] + self.t) % self.range_len
+        ang = (2.0 * np.pi) * self.rates.time_of_day[idx]
+        macro[:, m] = np.sin(ang)
+        macro[:, m + 1] = np.cos(ang)
+        inv = 1.0 / self.mean_load
+        if self.P == 1:
+            macro[:, m + 2] = self.active[:, 0] * inv
+            macro[:, m + 3] = self.pending[:, 0] * inv
+            macro[:, m + 4] = self.target[:, 0] * inv
+        else:
+            macro[:, m + 2] = self.active.sum(1) * inv
+            macro[:, m + 3] = self.pending.sum(1) * inv
+            macro[:, m + 4] = self.target.sum(1) * inv
+        macro[:, m + 5:] = self.level * (1.0 / (n - 1))
+        p = self.hist_ptr + 1
+        micro = self.micro_buf[:, :, p:p + self.H]  # [S, K, H, Fu], oldest first
+        return Observation(macro=macro, micro=micro.copy() if self.copy_obs else micro)
+
+    def monitored(self) -> dict:
+        """Monitored signals as a metrics system reports them (lagged), for rule-based baselines."""
+        mon = self.mon_ring[(self.mon_ptr - self.lag) % (self.lag + 1)]
+        return {name: mon[:, i] for i, name in enumerate(MACRO_MONITORED)}

@@ -1,0 +1,191 @@
+"""Trace loader: real request-rate series -> per-tick, per-class arrival rates.
+
+A trace is a CSV with a header row: an optional time column plus one or more numeric rate
+columns (counts per row interval). The loader resamples to the simulator tick, normalises to
+a target mean offered load, and splits train / evaluation time ranges. Phase shift and
+Poisson noise are applied per shard by the simulator, which owns the random stream.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+DATA_DIR = Path(__file__).resolve().parents[1] / "data"
+BUNDLED_TRACE = DATA_DIR / "azure_functions2019_4class_1min.csv"
+BUNDLED_COLUMNS = ("c0_lt200ms", "c1_200ms_5s", "c2_5s_60s", "c3_ge60s")
+
+# Time columns understood, with seconds per unit. `date` (YYYY-MM-DD) adds whole days.
+TIME_COLUMNS = {"second": 1.0, "seconds": 1.0, "timestamp": 1.0, "time_s": 1.0,
+                "minute": 60.0, "minute_of_day": 60.0, "hour": 3600.0}
+_SUFFIX = re.compile(r"_(\d+(?:\.\d+)?)(s|sec|min|m|h)(?:_|\.|$)")
+_SUFFIX_UNIT = {"s": 1.0, "sec": 1.0, "min": 60.0, "m": 60.0, "h": 3600.0}
+
+
+class TraceError(ValueError):
+    """A trace file is missing, malformed or does not fit the request."""
+
+
+@dataclass(frozen=True)
+class Trace:
+    """Per-row rates of one CSV, before resampling."""
+
+    path: str
+    columns: tuple[str, ...]
+    counts: np.ndarray  # [T, C] float64, events per row interval
+    interval_s: float
+    time_of_day_s: np.ndarray  # [T] seconds since midnight at the start of each row
+
+    @property
+    def rates_per_s(self) -> np.ndarray:  # [T, C]
+        return self.counts / self.interval_s
+
+
+def _interval_from_name(path: Path) -> Optional[float]:
+    m = _SUFFIX.search(path.stem + ".")
+    return float(m.group(1)) * _SUFFIX_UNIT[m.group(2)] if m else None
+
+
+def load_trace(path: str | Path, columns: Optional[Sequence[str]] = None,
+               interval_s: Optional[float] = None) -> Trace:
+    """Read a rate trace.
+
+    columns: the rate columns to keep (default: the first numeric non-time column).
+    interval_s: seconds per row (default: from the time column, else the file name suffix).
+    Raises TraceError naming the file and the problem.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise TraceError(f"trace file {str(p)!r} does not exist")
+    try:
+        with open(p, newline="") as f:
+            rows = list(csv.reader(f))
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
+        raise TraceError(f"trace file {str(p)!r} cannot be read as CSV: {e}") from e
+    rows = [r for r in rows if r and any(c.strip() for c in r)]
+    if len(rows) < 3:
+        raise TraceError(f"trace file {str(p)!r} needs a header and at least 2 data rows, has {len(rows)} rows")
+    header = [h.strip() for h in rows[0]]
+    body = rows[1:]
+    for i, r in enumerate(body):
+        if len(r) != len(header):
+            raise TraceError(f"trace file {str(p)!r}: row {i + 2} has {len(r)} fields, header has {len(header)}")
+
+    date_col = header.index("date") if "date" in header else None
+    time_cols = [h for h in header if h in TIME_COLUMNS]
+    numeric: dict[str, np.ndarray] = {}
+    for j, h in enumerate(header):
+        if j == date_col:
+            continue
+        try:
+            numeric[h] = np.array([float(r[j]) for r in body], dtype=np.float64)
+        except ValueError:
+            if h in TIME_COLUMNS:
+                raise TraceError(f"trace file {str(p)!r}: time column {h!r} is not numeric")
+            continue  # non-numeric columns (ids, labels) are not rates
+    rate_cols = [h for h in numeric if h not in TIME_COLUMNS]
+    if not rate_cols:
+        raise TraceError(f"trace file {str(p)!r} has no numeric rate column (header: {header})")
+    if columns is None:
+        columns = rate_cols[:1]
+    missing = [c for c in columns if c not in rate_cols]
+    if missing:
+        raise TraceError(f"trace file {str(p)!r} has no numeric column {missing}; rate columns are {rate_cols}")
+    counts = np.stack([numeric[c] for c in columns], axis=1)
+    bad = ~np.isfinite(counts)
+    if bad.any():
+        r, c = np.argwhere(bad)[0]
+        raise TraceError(f"trace file {str(p)!r}: column {columns[c]!r} row {r + 2} is not a finite number")
+    if (counts < 0).any():
+        r, c = np.argwhere(counts < 0)[0]
+        raise TraceError(f"trace file {str(p)!r}: column {columns[c]!r} row {r + 2} is negative ({counts[r, c]})")
+    if counts.sum() <= 0:
+        raise TraceError(f"trace file {str(p)!r}: columns {list(columns)} are all zero")
+
+    # Time axis in seconds, if the file has one.
+    t = None
+    if time_cols:
+        tc = time_cols[0]
+        t = numeric[tc] * TIME_COLUMNS[tc]
+        if date_col is not None:
+            try:
+                days = np.array([np.datetime64(r[date_col].strip(), "D") for r in body])
+            except ValueError as e:
+                raise TraceError(f"trace file {str(p)!r}: bad date in column 'date': {e}") from e
+            t = t + (days - days[0]).astype(np.int64) * 86400.0
+    if interval_s is None:
+        if t is not None:
+            d = np.diff(t)
+            if (d <= 0).any():
+                raise TraceError(f"trace file {str(p)!r}: time column {time_cols[0]!r} is not increasing "
+                                 f"(row {int(np.argmax(d <= 0)) + 3})")
+            interval_s = float(np.median(d))
+        else:
+            interval_s = _interval_from_name(p)
+            if interval_s is None:
+                raise TraceError(f"trace file {str(p)!r} has no time column ({sorted(TIME_COLUMNS)}) and no "
+                                 "interval suffix like _5min in its name: pass interval_s")
+    if t is None:
+        t = np.arange(len(body), dtype=np.float64) * interval_s
+    # Gaps (missing days) are closed up: rows are treated as consecutive, time of day kept.
+    return Trace(path=str(p), columns=tuple(columns), counts=counts, interval_s=float(interval_s),
+                 time_of_day_s=np.mod(t, 86400.0))
+
+
+@dataclass(frozen=True)
+class TickRates:
+    """Arrival rates resampled to the tick and normalised: what the simulator consumes."""
+
+    rates: np.ndarray  # [T, K] float32, mean arrivals per second per class
+    time_of_day: np.ndarray  # [T] float32 in [0, 1)
+    train: tuple[int, int]  # [start, end) tick range for training
+    eval: tuple[int, int]  # [start, end) tick range held out for evaluation
+    source: str
+    columns: tuple[str, ...]
+
+
+def resample(trace: Trace, tick_s: float) -> tuple[np.ndarray, np.ndarray]:
+    """Rates per second at each tick: linear interpolation between row centres."""
+    n_ticks = int(math.floor(len(trace.counts) * trace.interval_s / tick_s))
+    if n_ticks < 2:
+        raise TraceError(f"trace file {trace.path!r} is shorter than two ticks of {tick_s} s")
+    centres = (np.arange(len(trace.counts)) + 0.5) * trace.interval_s
+    t = (np.arange(n_ticks) + 0.5) * tick_s
+    rates = np.stack([np.interp(t, centres, trace.rates_per_s[:, c]) for c in range(trace.counts.shape[1])], 1)
+    row = np.minimum((t // trace.interval_s).astype(np.int64), len(trace.counts) - 1)
+    tod = np.mod(trace.time_of_day_s[row] + (t - row * trace.interval_s), 86400.0) / 86400.0
+    return rates, tod
+
+
+def make_tick_rates(trace: Trace, tick_s: float, num_classes: int, service_time_s: Sequence[float],
+                    class_share: Sequence[float], mean_load_erlangs: float, eval_fraction: float) -> TickRates:
+    """Resample, map columns to classes, normalise each class to its share of the mean load.
+
+    One column is split over the K classes by `class_share`; K columns map one-to-one. The
+    normalisation uses the training range only, so the held-out range keeps its own level.
+    """
+    rates, tod = resample(trace, tick_s)
+    c = rates.shape[1]
+    if c == 1:
+        rates = np.repeat(rates, num_classes, axis=1)
+    elif c != num_classes:
+        raise TraceError(f"trace file {trace.path!r}: {c} rate columns {list(trace.columns)} cannot map onto "
+                         f"{num_classes} classes (give 1 column, or exactly num_classes)")
+    n = len(rates)
+    split = int(round(n * (1.0 - eval_fraction)))
+    if split < 1 or n - split < 1:
+        raise TraceError(f"trace file {trace.path!r}: {n} ticks are too few to split at eval_fraction={eval_fraction}")
+    mean_train = rates[:split].mean(axis=0)
+    if (mean_train <= 0).any():
+        k = int(np.argmax(mean_train <= 0))
+        raise TraceError(f"trace file {trace.path!r}: class {k} has no arrivals in the training range")
+    target_rate = np.asarray(class_share) * mean_load_erlangs / np.asarray(service_time_s)  # [K] per second
+    rates = rates * (target_rate / mean_train)
+    return TickRates(rates=rates.astype(np.float32), time_of_day=tod.astype(np.float32),
+                     train=(0, split), eval=(split, n), source=trace.path, columns=trace.columns)

@@ -1,0 +1,168 @@
+"""Evaluate policies on the held-out range of a trace and print the comparison table.
+
+    python -m launch.evaluate --policy hpa|target|static|queue|random|all [--trace CSV]
+        [--columns COL ...] [--interval-s S] [--shards 8] [--ticks N] [--json PATH] [--plot PATH]
+
+`--trace` takes any CSV with a time column (or an interval suffix like `_5min` in its name)
+and one or more rate columns; `--trace shared` evaluates on every CSV of ../shared/traces.
+Without `--trace` the bundled Azure Functions 2019 trace is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from apex_bdq.config import ConfigError, SimConfig, TraceConfig
+from apex_bdq.evaluation import METRIC_KEYS, EvalResult, evaluate_policy
+from apex_bdq.sim.baselines import BASELINES, make_baseline
+from apex_bdq.sim.trace import TraceError
+
+SHARED_TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
+# Per-class rate columns for the shared traces that have them; the rest use their first
+# rate column split over the classes.
+SHARED_COLUMNS = {
+    "azure_functions2019_invitro1000_1min.csv": ("invocations",),
+    "nasa_http_1995_1min.csv": ("requests",),
+}
+
+
+class _Progress:
+    """One-line progress on stderr for long runs (a tick counter with rate and ETA)."""
+
+    def __init__(self, label: str, enabled: bool) -> None:
+        self.label, self.enabled, self.t0, self.last = label, enabled, time.perf_counter(), 0.0
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.perf_counter()
+        if not self.enabled or (now - self.last < 0.5 and done < total):
+            return
+        self.last = now
+        rate = done / max(now - self.t0, 1e-9)
+        eta = (total - done) / max(rate, 1e-9)
+        end = "\n" if done >= total else ""
+        print(f"\r  {self.label}: {done}/{total} ticks, {rate:,.0f} ticks/s, eta {eta:4.0f}s ", end=end,
+              file=sys.stderr, flush=True)
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float) and math.isnan(v):
+        return "n/a"
+    return f"{v:.4f}" if abs(v) < 100 else f"{v:,.0f}"
+
+
+def print_table(title: str, results: dict[str, dict]) -> None:
+    cols = ("policy",) + METRIC_KEYS
+    print(title)
+    print("  ".join(f"{c:>18}" if i else f"{c:<10}" for i, c in enumerate(cols)))
+    for name, m in results.items():
+        print("  ".join([f"{name:<10}"] + [f"{_fmt(m[k]):>18}" for k in METRIC_KEYS]))
+
+
+def make_policy(name: str, cfg: SimConfig):
+    if name.startswith("checkpoint:"):
+        from apex_bdq.checkpoint import load_policy  # the learned agent (issue 3)
+        return load_policy(name.split(":", 1)[1], cfg)
+    return make_baseline(name)
+
+
+def run_trace(cfg: SimConfig, policies: list[str], shards: int, ticks: Optional[int],
+              show_progress: bool) -> dict[str, EvalResult]:
+    out = {}
+    for name in policies:
+        res = evaluate_policy(make_policy(name, cfg), cfg, shards=shards, ticks=ticks,
+                              progress=_Progress(name, show_progress))
+        out[name] = res
+    return out
+
+
+def plot(results: dict[str, EvalResult], path: str, title: str, tick_s: float) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(11, 6.5), sharex=True)
+    first = next(iter(results.values())).series
+    t = [i * tick_s / 60.0 for i in range(len(first["offered"]))]
+    ax1.plot(t, first["offered"], color="black", lw=1.0, label="offered load (busy servers needed)")
+    for name, res in results.items():
+        ax1.plot(t, res.series["servers"], lw=1.0, label=f"capacity: {name}")
+        ax2.plot(t, res.series["p99_ms"], lw=0.8, label=name)
+    ax1.set_ylabel("servers")
+    ax1.legend(fontsize=8, ncol=3)
+    ax1.set_title(title)
+    ax2.set_yscale("log")
+    ax2.set_ylabel("p99 latency, ms (arrival-weighted)")
+    ax2.set_xlabel("minutes into the evaluation range (shard 0)")
+    ax2.legend(fontsize=8, ncol=5)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m launch.evaluate", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--policy", default="all",
+                    help=f"one of {sorted(BASELINES)}, 'all', checkpoint:PATH, or a comma-separated list")
+    ap.add_argument("--trace", help="CSV trace, or 'shared' for every trace in ../shared/traces")
+    ap.add_argument("--columns", nargs="+", help="rate columns of the trace (default: first one)")
+    ap.add_argument("--interval-s", type=float, help="seconds per trace row (default: from the file)")
+    ap.add_argument("--shards", type=int, default=8, help="evaluation shards (phases of the range)")
+    ap.add_argument("--ticks", type=int, help="ticks per shard (default: cover the held-out range)")
+    ap.add_argument("--json", help="write the metrics here")
+    ap.add_argument("--plot", help="write a PNG of load vs capacity vs p99 here")
+    ap.add_argument("--quiet", action="store_true", help="no progress line")
+    a = ap.parse_args(argv)
+
+    names = sorted(BASELINES) if a.policy == "all" else [p.strip() for p in a.policy.split(",") if p.strip()]
+    for n in names:
+        if n not in BASELINES and not n.startswith("checkpoint:"):
+            ap.error(f"unknown policy {n!r}: choose from {sorted(BASELINES)}, 'all' or checkpoint:PATH")
+    if a.shards < 1 or (a.ticks is not None and a.ticks < 1):
+        ap.error("--shards and --ticks must be >= 1")
+
+    if a.trace == "shared":
+        if not SHARED_TRACES.is_dir():
+            ap.error(f"--trace shared: {SHARED_TRACES} does not exist")
+        traces = [(p, SHARED_COLUMNS.get(p.name)) for p in sorted(SHARED_TRACES.glob("*.csv"))
+                  if not p.name.endswith("_meta.csv")]
+    elif a.trace:
+        traces = [(Path(a.trace), tuple(a.columns) if a.columns else None)]
+    else:
+        traces = [(None, None)]
+
+    all_results: dict = {}
+    for path, cols in traces:
+        try:
+            cfg = SimConfig(trace=TraceConfig(path=str(path) if path else None, columns=cols,
+                                              interval_s=a.interval_s))
+            label = path.name if path else "bundled azure_functions2019_4class_1min.csv"
+            results = run_trace(cfg, names, a.shards, a.ticks, not a.quiet and sys.stderr.isatty())
+        except (TraceError, ConfigError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        metrics = {n: r.metrics for n, r in results.items()}
+        print_table(f"\n{label}: evaluation range, {a.shards} shards x "
+                    f"{next(iter(metrics.values()))['ticks']} ticks", metrics)
+        all_results[label] = metrics
+        if a.plot:
+            plot_path = a.plot if len(traces) == 1 else str(Path(a.plot).with_suffix("")) + f"_{Path(label).stem}.png"
+            plot(results, plot_path, label, cfg.tick_s)
+            print(f"wrote {plot_path}")
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        payload = next(iter(all_results.values())) if len(all_results) == 1 else all_results
+        Path(a.json).write_text(json.dumps(payload, indent=2, default=float))
+        print(f"wrote {a.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
