@@ -56,6 +56,18 @@ def _fmt(v) -> str:
     return f"{v:.4f}" if abs(v) < 100 else f"{v:,.0f}"
 
 
+def _json_safe(x):
+    """NaN (e.g. no accounting window settled in a short run) becomes null: valid JSON."""
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    if isinstance(x, (float, int)) and not isinstance(x, bool):
+        x = float(x) if not isinstance(x, int) else x
+        return None if isinstance(x, float) and math.isnan(x) else x
+    return float(x) if hasattr(x, "__float__") else x
+
+
 def print_table(title: str, results: dict[str, dict]) -> None:
     cols = ("policy",) + METRIC_KEYS
     print(title)
@@ -159,7 +171,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         payload = next(iter(all_results.values())) if len(all_results) == 1 else all_results
-        Path(a.json).write_text(json.dumps(payload, indent=2, default=float))
+        Path(a.json).write_text(json.dumps(_json_safe(payload), indent=2))
         print(f"wrote {a.json}")
     return 0
 

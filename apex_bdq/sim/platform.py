@@ -20,6 +20,7 @@ Per tick and shard (DESIGN.md, "The learning problem"):
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -51,17 +52,22 @@ class Observation:
 
 @functools.lru_cache(maxsize=8)
 def _cached_rates(cfg_key: tuple) -> TickRates:
-    (path, columns, interval_s, tick_s, k, svc, share, load, eval_frac) = cfg_key
+    (path, _stamp, columns, interval_s, tick_s, k, svc, share, load, eval_frac) = cfg_key
     tr = load_trace(path, columns, interval_s)
     return make_tick_rates(tr, tick_s, k, svc, share, load, eval_frac)
 
 
 def make_rates(cfg: SimConfig) -> TickRates:
-    """The trace of `cfg`, resampled and normalised (cached per process)."""
+    """The trace of `cfg`, resampled and normalised (cached per process and file version)."""
     t = cfg.trace
     path = str(t.path or BUNDLED_TRACE)
     columns = t.columns if t.columns is not None else (BUNDLED_COLUMNS if t.path is None else None)
-    return _cached_rates((path, columns, t.interval_s, cfg.tick_s, cfg.num_classes, cfg.service_time_s,
+    try:
+        st = os.stat(path)
+        stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+    except OSError:
+        stamp = None  # load_trace reports the missing file
+    return _cached_rates((path, stamp, columns, t.interval_s, cfg.tick_s, cfg.num_classes, cfg.service_time_s,
                           cfg.shares, cfg.mean_load_erlangs, t.eval_fraction))
 
 

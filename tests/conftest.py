@@ -1,0 +1,27 @@
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+SHARED_TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
+
+
+@pytest.fixture
+def step_trace(tmp_path):
+    """A synthetic 1 s trace: constant rate, then a step up at `at` (rates per class)."""
+
+    def make(low=(100.0, 2.0, 0.5, 0.02), high=None, at=10_000, n=20_000, name="step_1s.csv"):
+        high = high or low
+        p = tmp_path / name
+        rows = ["second," + ",".join(f"c{k}" for k in range(len(low)))]
+        for t in range(n):
+            r = low if t < at else high
+            rows.append(f"{t}," + ",".join(repr(float(x)) for x in r))
+        p.write_text("\n".join(rows) + "\n")
+        return p
+
+    return make
+
+
+def random_actions(rng: np.random.Generator, S: int, D: int, n: int) -> np.ndarray:
+    return rng.integers(0, n, size=(S, D))

@@ -1,0 +1,128 @@
+"""Baseline rules behave as their documentation says, on the real simulator."""
+
+import math
+
+import numpy as np
+import pytest
+
+from apex_bdq.config import SimConfig, TraceConfig
+from apex_bdq.sim.baselines import HPA, QueueThreshold, RandomPolicy, StaticPeak, TargetTracking, make_baseline
+from apex_bdq.sim.platform import PlatformSim
+
+
+def steady_sim(step_trace, rate=(200.0, 4.0, 1.0, 0.04), high=None, at=10 ** 9, **kw):
+    """One shard on a synthetic 1 s trace whose evaluation range starts at tick 3000.
+
+    Rates are normalised so that the training range [0, 3000) averages mean_load_erlangs;
+    a step inside the evaluation range scales the load by high/low."""
+    path = step_trace(low=rate, high=high, at=at, n=6000)
+    cfg = SimConfig(num_shards=1, provisioning_delay_s=0.0, trace=TraceConfig(
+        path=str(path), columns=("c0", "c1", "c2", "c3"), poisson_noise=False, eval_fraction=0.5), **kw)
+    return PlatformSim(cfg, split="eval")
+
+
+def run(policy, sim, ticks):
+    obs = sim.reset(seed=0)
+    policy.reset(sim)
+    caps = []
+    for _ in range(ticks):
+        a, cap = policy.act(sim, obs)
+        obs, _, _, info = sim.step(a, capacity_target=cap)
+        caps.append(int(sim.target[0, 0]))
+    return caps, info
+
+
+def test_hpa_converges_to_the_target_utilisation(step_trace):
+    sim = steady_sim(step_trace)
+    caps, info = run(HPA(target_utilisation=0.5), sim, 900)
+    offered = float(info["offered_erlangs"][0])
+    # Settles where util is within the 10 % tolerance of the 50 % target.
+    assert abs(offered / caps[-1] / 0.5 - 1) <= 0.1 + 1e-6
+    assert len(set(caps[-100:])) == 1  # and stays there
+
+
+def test_hpa_scale_up_limit_and_scale_down_stabilisation(step_trace):
+    low, high = (20.0, 0.4, 0.1, 0.004), (400.0, 8.0, 2.0, 0.08)
+    sim = steady_sim(step_trace, rate=low, high=high, at=3000 + 60, mean_load_erlangs=10.0)
+    hpa = HPA(target_utilisation=0.5)
+    caps, _ = run(hpa, sim, 60)
+    start = caps[-1]
+    # Load jumps 20x: each 15 s period may at most add max(100 %, 4 pods).
+    seen = []
+    for t in range(60, 200):
+        a, cap = hpa.act(sim, None)
+        sim.step(a, capacity_target=cap)
+        seen.append(int(sim.target[0, 0]))
+    prev = start
+    for i in range(0, len(seen), 15):
+        assert seen[i] <= max(2 * prev, prev + 4)
+        prev = seen[i]
+    assert seen[-1] > 4 * start
+
+
+def test_hpa_waits_out_the_downscale_window(step_trace):
+    high, low = (400.0, 8.0, 2.0, 0.08), (40.0, 0.8, 0.2, 0.008)
+    sim = steady_sim(step_trace, rate=high, high=low, at=3000 + 400)
+    hpa = HPA(target_utilisation=0.5)
+    caps, _ = run(hpa, sim, 400 + 30 + 270)  # the drop reaches metrics at ~415 s
+    before = caps[399]
+    assert min(caps[400:400 + 300]) == before  # 300 s stabilisation: no scale-down yet
+    caps2, _ = caps, None
+    more = []
+    for _ in range(120):
+        a, cap = hpa.act(sim, None)
+        sim.step(a, capacity_target=cap)
+        more.append(int(sim.target[0, 0]))
+    assert more[-1] < before / 2
+
+
+def test_target_tracking_scales_out_fast_and_in_slowly(step_trace):
+    low, high = (40.0, 0.8, 0.2, 0.008), (200.0, 4.0, 1.0, 0.04)
+    sim = steady_sim(step_trace, rate=high, high=low, at=3000 + 60, mean_load_erlangs=20.0)
+    tt = TargetTracking(target_utilisation=0.5)
+    caps, _ = run(tt, sim, 1200)
+    # Load falls 5x after a minute; scale-in needs 15 one-minute datapoints below target.
+    assert min(caps[:15 * 60]) == caps[0]
+    assert caps[-1] < caps[0] / 2
+    sim = steady_sim(step_trace, rate=low, high=high, at=3000 + 600, mean_load_erlangs=20.0)
+    caps, _ = run(TargetTracking(target_utilisation=0.5), sim, 1200)
+    # Scale-out after three datapoints above target (+ the 15 s monitoring lag).
+    out_at = next(i for i in range(600, len(caps)) if caps[i] > caps[599])
+    assert out_at - 600 <= 4 * 60 + 15
+    assert caps[-1] > 3 * caps[599]
+
+
+def test_static_provisions_the_training_peak():
+    sim = PlatformSim(SimConfig(num_shards=2), split="eval")
+    pol = StaticPeak(target_utilisation=0.8)
+    pol.reset(sim)
+    lo, hi = sim.rates.train
+    peak = (sim.lam_table[lo:hi] * sim.inv_mu).sum(1).max()
+    assert pol.servers[0, 0] == min(sim.pool_max, math.ceil(peak / 0.8))
+
+
+def test_queue_threshold_sheds_while_queues_are_long(step_trace):
+    # Ten times the training load from the start of the evaluation range: beyond max_servers.
+    sim = steady_sim(step_trace, rate=(200.0, 4.0, 1.0, 0.04), high=(2000.0, 40.0, 10.0, 0.4), at=3000)
+    pol = QueueThreshold(threshold_slo=1.0)
+    obs = sim.reset(seed=0)
+    pol.reset(sim)
+    levels = []
+    for _ in range(30):
+        a, cap = pol.act(sim, obs)
+        levels.append(int(a[0, -2]))
+        obs, _, _, info = sim.step(a, capacity_target=cap)
+    assert levels[0] == 0 and max(levels) == sim.n - 2
+    assert info["dropped"].sum() > 0
+
+
+def test_rule_baselines_refuse_per_class_pools_and_unknown_names():
+    sim = PlatformSim(SimConfig(num_shards=1, per_class_capacity=True))
+    with pytest.raises(ValueError, match="per_class_capacity=True"):
+        HPA().reset(sim)
+    with pytest.raises(ValueError, match="unknown baseline 'nope'"):
+        make_baseline("nope")
+    r = RandomPolicy()
+    r.reset(sim)
+    a, cap = r.act(sim, None)
+    assert a.shape == (1, 6) and cap is None
