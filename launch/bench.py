@@ -4,7 +4,8 @@
 
 `sim`: shard-steps per second of the vectorised PlatformSim at S = 1, 64, 1024 on one core,
 side by side with a plain per-shard loop of the same dynamics (S single-shard simulators
-stepped one after the other). Each figure is the median of `--repeats` timed runs of about
+stepped one after the other), both returning fresh observation arrays; then S = 1024 once
+more with observations returned as views (the zero-copy path a trainer uses). Each figure is the median of `--repeats` timed runs of about
 `--seconds` each, all in this one process, pinned to one CPU.
 """
 
@@ -89,6 +90,18 @@ def bench_sim(repeats: int, seconds: float) -> dict:
             loop = statistics.median(loop_runs)
             result["loop"][S] = loop
         rows.append((S, result["vectorised"][S], min(vec), max(vec), loop))
+    # The zero-copy path (micro history returned as a view, valid until the next step) that a
+    # trainer uses when it copies observations into replay itself.
+    sim = PlatformSim(base.replace(num_shards=1024), copy_obs=False)
+    acts = _policy_actions(rng, 1024, base.num_branches, base.sub_actions, 64)
+
+    def view_step(a, sim=sim):
+        _, _, trunc, _ = sim.step(a)
+        if trunc:
+            sim.reset()
+
+    zc = [1024 * _time_steps(view_step, acts, seconds) for _ in range(repeats)]
+    result["vectorised_zero_copy_steps_per_s"] = statistics.median(zc)
     result["vectorised_steps_per_s"] = result["vectorised"][1024]
     result["loop_steps_per_s"] = result["loop"][1024]
     result["ratio"] = result["vectorised_steps_per_s"] / result["loop_steps_per_s"]
@@ -98,6 +111,8 @@ def bench_sim(repeats: int, seconds: float) -> dict:
         ls = f"{loop:,.0f}" if loop else "-"
         rs = f"{v / loop:,.1f}x" if loop else "-"
         print(f"{S:>6} {v:>14,.0f} {f'({lo:,.0f}..{hi:,.0f})':>24} {ls:>16} {rs:>8}")
+    print(f"{'1024*':>6} {result['vectorised_zero_copy_steps_per_s']:>14,.0f} {f'({min(zc):,.0f}..{max(zc):,.0f})':>24}"
+          f"  (* observations as views, no copy)")
     return result
 
 

@@ -5,8 +5,9 @@ Per tick and shard (DESIGN.md, "The learning problem"):
   2. the action sets the capacity target (new servers enter a `delay` pipeline, removals
      cancel the newest pending servers first, then remove active ones), the priority tilt,
      the admission level and the service-speed (scheduling) level;
-  3. active servers are split between classes by requests in service (an M/M/inf
-     estimate from the admitted arrivals) x priority weight;
+  3. active servers are split between classes by the servers each needs (requests in
+     service, an M/M/inf estimate from admitted arrivals, plus what drains its queue
+     within one SLO; never less than that need averaged over a window) x priority weight;
   4. arrivals ~ Poisson(rate(t) * tick) from the trace, per shard with its own phase;
   5. per class an M/M/c queue: the stationary wait from Erlang C, a fluid backlog for
      overload, admission drops when the backlog exceeds the admission limit;
@@ -110,6 +111,8 @@ class PlatformSim:
         self.inv_class_load = (1.0 / self.class_load).astype(f32)
         self.inv_mean_n = (1.0 / (self.class_load * self.mu * self.dt)).astype(f32)  # [K]
         self.inv_slo = (1.0 / self.slo).astype(f32)
+        self.drain_per_server = (1.0 / (self.mu * self.slo)).astype(f32)  # [K] servers per queued request
+        self.need_alpha = np.float32(1.0 / cfg.window_ticks)
         self.lam_table = self.rates.rates.astype(f32)  # [T, K]
         self.erlang = ErlangCTable(cfg.max_servers)
         self.onesK = np.ones(K, dtype=f32)  # row sums as matmuls: 5x faster than .sum(1) on [S, K]
@@ -121,7 +124,8 @@ class PlatformSim:
         class_rank = np.linspace(1.0, -1.0, K) if K > 1 else np.zeros(1)  # tight SLO first
         self.tilt_w = np.exp(tilts[:, None] * class_rank[None, :]).astype(f32)  # [n, K]
         # Admission limit on the backlog, in SLOs of drain time; level 0 admits everything.
-        adm = np.array([1e12] + [2.0 ** (n - 2 - lvl) for lvl in range(n - 1)])  # [n]
+        # (1e30 stays finite in float32 and beats any queue even with no servers.)
+        adm = np.array([1e30] + [2.0 ** (n - 2 - lvl) for lvl in range(n - 1)])  # [n]
         self.adm_slo = (adm[:, None] * self.slo[None, :]).astype(f32)  # [n, K] seconds
         self.speeds = np.linspace(cfg.speed_min, 1.0, n).astype(f32)  # [n]
         self.speeds3 = self.speeds ** 3
@@ -147,6 +151,7 @@ class PlatformSim:
         else:
             self.offset = lo + (np.arange(S) * self.range_len) // S
         self.t = 0
+        self._idx_t = -1
         lam = self.lam_table[self.offset]  # [S, K]
         load = lam * self.inv_mu  # [S, K] Erlangs
         if P == 1:
@@ -166,6 +171,7 @@ class PlatformSim:
         self.level = np.empty((S, 3), dtype=np.int64)  # priority, admission, speed levels
         self.level[:] = (self.n // 2, 0, self.n - 1)
         self.load_est = (load + 1e-6).astype(f32)  # [S, K]
+        self.need_avg = self.load_est.copy()  # [S, K]
         self.backlog = np.zeros((S, K), dtype=f32)
         # Accounting window accumulators.
         self.win_req = np.zeros((S, K), dtype=f32)
@@ -214,7 +220,13 @@ class PlatformSim:
         """Integer servers per class [S, K] (float32)."""
         if self.P > 1:
             return self.active.astype(np.float32)
-        w = (self.load_est + 1e-3) * self.tilt_w[self.level[:, 0]]  # [S, K] est. load x priority
+        # Servers each class needs now: requests in service, plus enough to drain its queue
+        # within one SLO; times the priority tilt.
+        # The share never falls below the class's need averaged over the last window, so a
+        # class whose traffic comes in bursts keeps servers between them.
+        need = self.load_est + self.backlog * self.drain_per_server + 1e-3  # [S, K]
+        self.need_avg += self.need_alpha * (need - self.need_avg)
+        w = np.maximum(need, self.need_avg) * self.tilt_w[self.level[:, 0]]
         cum = w @ self.cum_mat
         # Cumulative rounding: integers that sum exactly to the active servers.
         cum = np.rint(cum * (self.active[:, :1] / cum[:, -1:]).astype(np.float32))
@@ -275,10 +287,10 @@ class PlatformSim:
         spd = self.speeds[lvl_speed]  # [S]
         mus = self.mu * spd[:, None]  # [S, K] per-server rate
         rate = c * mus  # [S, K] requests per second
+        rate_pos = np.maximum(rate, 1e-9)  # a class with no servers: limits and drain times still defined
 
         # 4. arrivals from the trace, each shard at its own phase.
-        idx = self.range[0] + (self.offset - self.range[0] + self.t) % self.range_len
-        lam = self.lam_table[idx]  # [S, K] per second
+        lam = self.lam_table[self._trace_index()]  # [S, K] per second
         mean_n = lam * dt if dt != 1.0 else lam
         arrivals = self.rng.poisson(mean_n).astype(np.float32) if cfg.trace.poisson_noise else mean_n.copy()
 
@@ -286,12 +298,12 @@ class PlatformSim:
         avail = self.backlog + arrivals
         served = np.minimum(avail, rate * dt)
         q = avail - served
-        drops = np.maximum(q - rate * self.adm_slo[self.level[:, 1]], 0.0)
+        drops = np.maximum(q - rate_pos * self.adm_slo[self.level[:, 1]], 0.0)
         self.backlog = backlog = q - drops
 
         # 6. latency: service + Erlang-C p99 wait at the true rate + backlog drain time.
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-            inv_rate = 1.0 / np.maximum(rate, 1e-9)
+            inv_rate = 1.0 / rate_pos
             pw = self.erlang(c, lam * inv_rate)  # [S, K] P(wait)
             theta = rate - lam
             w99 = np.maximum(np.log(pw * (1.0 / P99_Q)) / np.maximum(theta, 1e-9), 0.0)
@@ -386,13 +398,19 @@ class PlatformSim:
         truncated = self.t >= cfg.episode_ticks
         return self._observe(), reward, truncated, info
 
+    def _trace_index(self) -> np.ndarray:
+        """Trace tick of each shard now: its phase plus the episode time, wrapped in range."""
+        if self._idx_t != self.t:
+            self._idx = self.range[0] + (self.offset - self.range[0] + self.t) % self.range_len
+            self._idx_t = self.t
+        return self._idx
+
     def _observe(self) -> Observation:
         S, n = self.S, self.n
         macro = np.empty((S, len(MACRO_FEATURES)), dtype=np.float32)
         m = len(MACRO_MONITORED)
         macro[:, :m] = self.mon_ring[(self.mon_ptr - self.lag) % (self.lag + 1)]
-        idx = self.range[0] + (self.offset - self.range[0] + self.t) % self.range_len
-        ang = (2.0 * np.pi) * self.rates.time_of_day[idx]
+        ang = (2.0 * np.pi) * self.rates.time_of_day[self._trace_index()]
         macro[:, m] = np.sin(ang)
         macro[:, m + 1] = np.cos(ang)
         inv = 1.0 / self.mean_load
