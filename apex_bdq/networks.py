@@ -1,0 +1,186 @@
+"""Branching Dueling Q-Network (Tavakoli et al., AAAI 2018) over macro + micro observations.
+
+    macro [B, Fm] --MacroEncoder (MLP)------------------------------.
+                                                                      +--fuse--> z [B, Z]
+    micro [B, K, H, Fu] --MicroEncoder (temporal conv, shared over classes,
+                           plus a class embedding)-------------------'
+    z --(gradient x 1/(D+1))--> V(z) [B, 1]  and  A_d(z, .) [B, D, n]
+    Q_d(s, a) = V(s) + A_d(s, a) - mean_a A_d(s, a)                      -> [B, D, n]
+
+The output grows linearly in D (D x n advantages + 1 value), where a flat Q head needs n^D.
+`z` is exposed (`BDQNetwork.represent`) so the preference head can attach to it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from apex_bdq.config import ConfigError
+
+
+@dataclass(frozen=True)
+class NetConfig:
+    """Sizes of the BDQ network."""
+
+    macro_features: int = 15
+    """Fm: macro observation width."""
+    num_classes: int = 4
+    """K: request classes in the micro observation."""
+    history: int = 8
+    """H: ticks of micro history."""
+    micro_features: int = 5
+    """Fu: micro features per class and tick."""
+    num_branches: int = 4
+    """D: action branches."""
+    sub_actions: int = 5
+    """n: choices per branch."""
+    macro_hidden: int = 128
+    """Width of the macro MLP."""
+    micro_channels: int = 32
+    """Channels of the per-class temporal convolution."""
+    class_embedding: int = 8
+    """Learned per-class embedding, so shared micro weights still know the class."""
+    z_dim: int = 256
+    """Width of the fused shared representation z."""
+    head_hidden: int = 128
+    """Hidden width of the value stream and of each advantage branch."""
+    scale_shared_grad: bool = True
+    """Scale the gradient entering z from the heads by 1/(D+1) (BDQ paper, Sec. 3)."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, int) and not isinstance(v, bool) and v < 1:
+                raise ConfigError(f"net.{f.name} must be >= 1, got {v!r}")
+        if self.sub_actions < 2:
+            raise ConfigError(f"net.sub_actions must be >= 2, got {self.sub_actions!r}")
+
+    @classmethod
+    def for_sim(cls, sim_cfg, **overrides) -> "NetConfig":
+        """Sizes matching a SimConfig's observation and action spaces."""
+        from apex_bdq.sim.platform import MACRO_FEATURES, MICRO_FEATURES
+        return cls(macro_features=len(MACRO_FEATURES), num_classes=sim_cfg.num_classes, history=sim_cfg.history,
+                   micro_features=len(MICRO_FEATURES), num_branches=sim_cfg.num_branches,
+                   sub_actions=sim_cfg.sub_actions, **overrides)
+
+
+class MacroEncoder(nn.Module):
+    """MLP over the platform-level (slow, delayed) signals."""
+
+    def __init__(self, cfg: NetConfig) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(cfg.macro_features, cfg.macro_hidden), nn.ReLU(),
+                                 nn.Linear(cfg.macro_hidden, cfg.macro_hidden), nn.ReLU())
+
+    def forward(self, macro: torch.Tensor) -> torch.Tensor:  # [B, Fm] -> [B, Hm]
+        return self.net(macro)
+
+
+class MicroEncoder(nn.Module):
+    """Temporal encoder over each class's last H ticks; one set of weights for all classes.
+
+    Two 1-D convolutions over time, then the last step and the mean over time, plus a learned
+    class embedding; the K class codes are concatenated.
+    """
+
+    def __init__(self, cfg: NetConfig) -> None:
+        super().__init__()
+        c = cfg.micro_channels
+        self.conv = nn.Sequential(nn.Conv1d(cfg.micro_features, c, 3, padding=1), nn.ReLU(),
+                                  nn.Conv1d(c, c, 3, padding=1), nn.ReLU())
+        self.class_emb = nn.Parameter(torch.randn(cfg.num_classes, cfg.class_embedding) * 0.1)
+        self.out_dim = cfg.num_classes * (2 * c + cfg.class_embedding)
+
+    def forward(self, micro: torch.Tensor) -> torch.Tensor:  # [B, K, H, Fu] -> [B, K * C']
+        b, k, h, f = micro.shape
+        x = micro.reshape(b * k, h, f).transpose(1, 2)  # [B*K, Fu, H]
+        y = self.conv(x)  # [B*K, C, H]
+        code = torch.cat([y[:, :, -1], y.mean(-1)], dim=1).reshape(b, k, -1)  # [B, K, 2C]
+        emb = self.class_emb.unsqueeze(0).expand(b, -1, -1)  # [B, K, E]
+        return torch.cat([code, emb], dim=-1).reshape(b, -1)
+
+
+class _GradScale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale):  # noqa: D401
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+class BranchingDuelingHead(nn.Module):
+    """State value V(z) and one advantage branch per action dimension.
+
+    The D branch MLPs are held as stacked weights and evaluated with one batched matmul, so
+    the head costs the same number of kernels for any D.
+    """
+
+    def __init__(self, cfg: NetConfig) -> None:
+        super().__init__()
+        D, n, z, h = cfg.num_branches, cfg.sub_actions, cfg.z_dim, cfg.head_hidden
+        self.value = nn.Sequential(nn.Linear(z, h), nn.ReLU(), nn.Linear(h, 1))
+        self.w1 = nn.Parameter(torch.empty(D, z, h))
+        self.b1 = nn.Parameter(torch.zeros(D, h))
+        self.w2 = nn.Parameter(torch.empty(D, h, n))
+        self.b2 = nn.Parameter(torch.zeros(D, n))
+        for d in range(D):  # the same init as D separate nn.Linear layers
+            nn.init.kaiming_uniform_(self.w1.data[d].T, a=5 ** 0.5)
+            nn.init.kaiming_uniform_(self.w2.data[d].T, a=5 ** 0.5)
+        bound1, bound2 = 1 / z ** 0.5, 1 / h ** 0.5
+        nn.init.uniform_(self.b1, -bound1, bound1)
+        nn.init.uniform_(self.b2, -bound2, bound2)
+
+    def advantages(self, z: torch.Tensor) -> torch.Tensor:  # [B, Z] -> [B, D, n]
+        hid = torch.relu(torch.einsum("bz,dzh->bdh", z, self.w1) + self.b1)
+        return torch.einsum("bdh,dhn->bdn", hid, self.w2) + self.b2
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:  # [B, Z] -> Q [B, D, n]
+        v = self.value(z)  # [B, 1]
+        a = self.advantages(z)  # [B, D, n]
+        return v.unsqueeze(-1) + a - a.mean(-1, keepdim=True)
+
+
+class BDQNetwork(nn.Module):
+    """Encoders + fusion + branching dueling head."""
+
+    def __init__(self, cfg: NetConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.macro = MacroEncoder(cfg)
+        self.micro = MicroEncoder(cfg)
+        self.fuse = nn.Sequential(nn.Linear(cfg.macro_hidden + self.micro.out_dim, cfg.z_dim), nn.ReLU())
+        self.head = BranchingDuelingHead(cfg)
+        self.grad_scale = 1.0 / (cfg.num_branches + 1) if cfg.scale_shared_grad else 1.0
+
+    def check_obs(self, macro: torch.Tensor, micro: torch.Tensor) -> None:
+        c = self.cfg
+        if macro.dim() != 2 or macro.shape[1] != c.macro_features:
+            raise ValueError(f"macro observation must be [B, {c.macro_features}], got {list(macro.shape)}")
+        want = (c.num_classes, c.history, c.micro_features)
+        if micro.dim() != 4 or tuple(micro.shape[1:]) != want or micro.shape[0] != macro.shape[0]:
+            raise ValueError(f"micro observation must be [B={macro.shape[0]}, {want[0]}, {want[1]}, {want[2]}], "
+                             f"got {list(micro.shape)}")
+
+    def represent(self, macro: torch.Tensor, micro: torch.Tensor) -> torch.Tensor:
+        """The shared representation z [B, Z]."""
+        self.check_obs(macro, micro)
+        return self.fuse(torch.cat([self.macro(macro), self.micro(micro)], dim=-1))
+
+    def q_from_z(self, z: torch.Tensor) -> torch.Tensor:
+        if self.grad_scale != 1.0 and z.requires_grad:
+            z = _GradScale.apply(z, self.grad_scale)
+        return self.head(z)
+
+    def forward(self, macro: torch.Tensor, micro: torch.Tensor) -> torch.Tensor:  # -> Q [B, D, n]
+        return self.q_from_z(self.represent(macro, micro))
+
+
+def make_network(cfg: NetConfig) -> BDQNetwork:
+    return BDQNetwork(cfg)
