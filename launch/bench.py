@@ -116,17 +116,173 @@ def bench_sim(repeats: int, seconds: float) -> dict:
     return result
 
 
+def _rss_mb(field: str = "VmRSS") -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024.0
+    return float("nan")
+
+
+def _replay_fields():
+    """Transition fields with the simulator's real shapes (default SimConfig)."""
+    import torch
+
+    from apex_bdq.config import SimConfig
+    from apex_bdq.sim.platform import MACRO_FEATURES, MICRO_FEATURES
+    from replay_server.replay import FieldSpec
+    c = SimConfig()
+    fm, micro = len(MACRO_FEATURES), (c.num_classes, c.history, len(MICRO_FEATURES))
+    return {"macro": FieldSpec((fm,), torch.float32), "micro": FieldSpec(micro, torch.float32),
+            "action": FieldSpec((c.num_branches,), torch.uint8), "reward": FieldSpec((), torch.float32),
+            "discount": FieldSpec((), torch.float32), "next_macro": FieldSpec((fm,), torch.float32),
+            "next_micro": FieldSpec(micro, torch.float32)}
+
+
+def _chunk(fields, m: int, seed: int):
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for k, f in fields.items():
+        if f.dtype == torch.uint8:
+            out[k] = torch.randint(0, 5, (m, *f.shape), generator=g, dtype=torch.uint8)
+        else:
+            out[k] = torch.rand((m, *f.shape), generator=g)
+    return out
+
+
+def _time_loop(fn, seconds: float) -> float:
+    """Calls/s of fn over about `seconds`, after a warm-up."""
+    for _ in range(5):
+        fn()
+    t0, n = time.perf_counter(), 0
+    while time.perf_counter() - t0 < seconds:
+        fn()
+        n += 1
+    return n / (time.perf_counter() - t0)
+
+
+def bench_replay(repeats: int, seconds: float, capacity: int, batch: int, chunk: int, peers: bool) -> dict:
+    """Prioritized replay at full capacity: insert rate, then sample B + update B as one step."""
+    import gc
+
+    import torch
+
+    from replay_server.replay import PrioritizedReplay
+    pinned = _pin_one_core()
+    torch.set_num_threads(1)
+    fields = _replay_fields()
+    chunks = [_chunk(fields, chunk, s) for s in range(4)]
+    prio = torch.rand(chunk) + 0.01
+    res: dict = {"pinned": pinned, "capacity": capacity, "batch": batch, "chunk": chunk, "repeats": repeats,
+                 "torch": torch.__version__}
+    rss0 = _rss_mb()
+
+    # -- ours --
+    rb = PrioritizedReplay(capacity, fields, device="cpu", seed=0)
+    rb.sample  # noqa: B018  (build the C++ kernels before timing)
+    from replay_server._cpu_kernels import kernels
+    res["ours_cpu_kernels"] = kernels() is not None
+    t0 = time.perf_counter()
+    for i in range(-(-capacity // chunk)):
+        rb.add(chunks[i % 4], prio)
+    res["ours_insert_per_s"] = capacity / (time.perf_counter() - t0)
+    res["peak_rss_mb"] = _rss_mb("VmHWM")
+    res["ours_rss_mb"] = _rss_mb() - rss0
+    per = sum(t.element_size() * t[0].numel() for t in rb.storage.values())
+    per += rb.generation.element_size() + sum(lv.element_size() * lv.numel() for lv in rb.tree.levels) / capacity
+    res["bytes_per_transition"] = per
+    new_p = torch.rand(batch) + 0.01
+
+    def ours_step():
+        s = rb.sample(batch)
+        rb.update_priorities(s.indices, s.generations, new_p)
+
+    ours = [_time_loop(ours_step, seconds) for _ in range(repeats)]
+    res["ours_steps_per_s"] = statistics.median(ours)
+    del rb
+    gc.collect()
+
+    res["cpprb_steps_per_s"] = res["torchrl_steps_per_s"] = None
+    if peers:
+        try:
+            import cpprb
+            np_chunks = [{k: v.numpy() for k, v in c.items()} for c in chunks]
+            env = {k: {"shape": f.shape or 1, "dtype": np.uint8 if f.dtype == torch.uint8 else np.float32}
+                   for k, f in fields.items()}
+            crb = cpprb.PrioritizedReplayBuffer(capacity, env, alpha=0.6, eps=1e-6)
+            t0 = time.perf_counter()
+            for i in range(-(-capacity // chunk)):
+                crb.add(**np_chunks[i % 4], priorities=prio.numpy())
+            res["cpprb_insert_per_s"] = capacity / (time.perf_counter() - t0)
+            new_np = new_p.numpy()
+
+            def cpprb_step():
+                s = crb.sample(batch, beta=0.4)
+                crb.update_priorities(s["indexes"], new_np)
+
+            res["cpprb_steps_per_s"] = statistics.median(_time_loop(cpprb_step, seconds) for _ in range(repeats))
+            res["cpprb_version"] = cpprb.__version__ if hasattr(cpprb, "__version__") else "?"
+            del crb
+            gc.collect()
+        except ImportError as e:
+            res["cpprb_error"] = str(e)
+        try:
+            res["torchrl_extension"] = __import__("launch._peers", fromlist=["x"]).ensure_torchrl_extension()
+            import torchrl
+            from tensordict import TensorDict
+            from torchrl.data import LazyTensorStorage, PrioritizedSampler, ReplayBuffer
+            trb = ReplayBuffer(storage=LazyTensorStorage(capacity), sampler=PrioritizedSampler(capacity, 0.6, 0.4),
+                               batch_size=batch)
+            tds = [TensorDict(c, batch_size=[chunk]) for c in chunks]
+            t0 = time.perf_counter()
+            for i in range(-(-capacity // chunk)):
+                idx = trb.extend(tds[i % 4])
+                trb.update_priority(idx, prio)
+            res["torchrl_insert_per_s"] = capacity / (time.perf_counter() - t0)
+
+            def torchrl_step():
+                _, info = trb.sample(return_info=True)
+                trb.update_priority(info["index"], new_p)
+
+            res["torchrl_steps_per_s"] = statistics.median(_time_loop(torchrl_step, seconds) for _ in range(repeats))
+            res["torchrl_version"] = torchrl.__version__
+            del trb
+            gc.collect()
+        except ImportError as e:
+            res["torchrl_error"] = str(e)
+    peer = [v for v in (res["cpprb_steps_per_s"], res["torchrl_steps_per_s"]) if v]
+    res["ratio_vs_faster_peer"] = res["ours_steps_per_s"] / max(peer) if peer else None
+    print(f"Prioritized replay, capacity {capacity:,}, sample {batch} + update {batch} per step, "
+          f"one pinned core ({pinned}), median of {repeats}")
+    print(f"{'':10} {'steps/s':>12} {'insert/s':>14}")
+    for name in ("ours", "cpprb", "torchrl"):
+        v = res.get(f"{name}_steps_per_s")
+        ins = res.get(f"{name}_insert_per_s")
+        print(f"{name:10} {v:>12,.0f} {ins:>14,.0f}" if v else f"{name:10} {'n/a':>12}")
+    print(f"bytes/transition {res['bytes_per_transition']:.0f}, peak RSS {res['peak_rss_mb']:,.0f} MB; "
+          f"ours / faster peer: {res['ratio_vs_faster_peer']:.2f}x" if peer else "")
+    return res
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m launch.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["sim"], help="which benchmark")
+    ap.add_argument("what", choices=["sim", "replay"], help="which benchmark")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--seconds", type=float, default=1.0, help="seconds per timed run")
+    ap.add_argument("--capacity", type=int, default=1_000_000, help="replay: capacity")
+    ap.add_argument("--batch", type=int, default=512, help="replay: sample / update batch")
+    ap.add_argument("--chunk", type=int, default=4096, help="replay: insert chunk")
+    ap.add_argument("--no-peers", action="store_true", help="replay: skip cpprb and TorchRL")
     a = ap.parse_args(argv)
     if a.repeats < 1 or a.seconds <= 0:
         ap.error("--repeats must be >= 1 and --seconds > 0")
-    res = bench_sim(a.repeats, a.seconds)
+    if a.what == "sim":
+        res = bench_sim(a.repeats, a.seconds)
+    else:
+        res = bench_replay(a.repeats, a.seconds, a.capacity, a.batch, a.chunk, not a.no_peers)
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps(res, indent=2, default=str))

@@ -1,0 +1,251 @@
+"""Prioritized replay = storage + ring writer + proportional sampler (Schaul et al. 2016),
+in torch tensors on one device (CPU here, CUDA when present), no Ray.
+
+- Storage: one preallocated tensor per field, `[capacity, *shape]`.
+- Writer: a ring (oldest overwritten first); every write stamps the slot with a fresh
+  generation number, so a priority update computed for an overwritten transition is
+  recognised and ignored.
+- Sampler: proportional to p^alpha through a sum tree on the same device; importance
+  weights (N P(i))^-beta normalised by the batch maximum (as Ape-X / Acme do), with beta
+  annealed linearly from beta0 to 1 over `beta_steps` sample calls.
+Every operation is batched: no Python loop over transitions.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+import torch
+
+from replay_server.sum_tree import SumTree
+
+
+_PACKABLE = (torch.float32, torch.bool, torch.uint8, torch.int8, torch.int16)
+
+
+class ReplayError(ValueError):
+    """Bad input to the replay (shapes, dtypes, NaN priorities, empty buffer, bad state)."""
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass
+class SampledBatch:
+    indices: torch.Tensor  # [B] long, slots
+    generations: torch.Tensor  # [B] long, the slots' generations when sampled
+    weights: torch.Tensor  # [B] float32 importance weights, max 1
+    probabilities: torch.Tensor  # [B] float64 sampling probability of each slot
+    data: dict  # field -> [B, *shape]
+
+
+class PrioritizedReplay:
+    def __init__(self, capacity: int, fields: Mapping[str, FieldSpec], device: torch.device | str = "cpu",
+                 alpha: float = 0.6, beta0: float = 0.4, beta_steps: int = 100_000, eps: float = 1e-6,
+                 fanout: int = 16, seed: Optional[int] = None) -> None:
+        if capacity < 1:
+            raise ReplayError(f"replay capacity must be >= 1, got {capacity}")
+        if not 0 <= alpha <= 1 or not 0 <= beta0 <= 1:
+            raise ReplayError(f"alpha and beta0 must be in [0, 1], got alpha={alpha}, beta0={beta0}")
+        if not fields:
+            raise ReplayError("replay needs at least one field")
+        self.capacity = int(capacity)
+        self.device = torch.device(device)
+        self.fields = dict(fields)
+        self.alpha, self.beta0, self.beta_steps, self.eps = alpha, beta0, max(1, beta_steps), eps
+        # Fields that float32 holds exactly (float32, bool, 8/16-bit ints) share one packed
+        # [capacity, columns] matrix, so a sampled batch is one row gather; others get their
+        # own tensor. `storage[name]` is a [capacity, *shape] view either way.
+        self.columns: dict[str, tuple[int, int]] = {}
+        col = 0
+        for k, f in self.fields.items():
+            if f.dtype in _PACKABLE:
+                width = int(torch.Size(f.shape).numel())
+                self.columns[k] = (col, col + width)
+                col += width
+        self.packed = torch.zeros((self.capacity, col), dtype=torch.float32, device=self.device)
+        self.storage = {}
+        for k, f in self.fields.items():
+            if k in self.columns:
+                a, b = self.columns[k]
+                self.storage[k] = self.packed[:, a:b].view(self.capacity, *f.shape)
+            else:
+                self.storage[k] = torch.zeros((self.capacity, *f.shape), dtype=f.dtype, device=self.device)
+        self.generation = torch.full((self.capacity,), -1, dtype=torch.long, device=self.device)
+        self.tree = SumTree(self.capacity, self.device, fanout)
+        self.next_slot = 0
+        self.size = 0
+        self.writes = 0  # transitions ever written (the next generation number)
+        self.samples = 0  # sample calls (drives beta)
+        self._max_p = torch.ones((), dtype=torch.float64, device=self.device)  # largest priority seen
+        self.rng = torch.Generator(device=self.device)
+        self.rng.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
+        self._arange_cache: dict[int, torch.Tensor] = {}
+
+    # -- writer --------------------------------------------------------------------------
+    def _arange(self, m: int) -> torch.Tensor:
+        a = self._arange_cache.get(m)
+        if a is None:
+            a = self._arange_cache[m] = torch.arange(m, device=self.device)
+        return a
+
+    def _check_batch(self, batch: Mapping[str, torch.Tensor]) -> int:
+        missing = set(self.fields) - set(batch)
+        extra = set(batch) - set(self.fields)
+        if missing or extra:
+            raise ReplayError(f"batch fields must be {sorted(self.fields)}; missing {sorted(missing)}, "
+                              f"unexpected {sorted(extra)}")
+        m = None
+        for k, spec in self.fields.items():
+            t = batch[k]
+            if not isinstance(t, torch.Tensor):
+                raise ReplayError(f"field {k!r} must be a torch.Tensor, got {type(t).__name__}")
+            if tuple(t.shape[1:]) != spec.shape:
+                raise ReplayError(f"field {k!r} must be [M, {', '.join(map(str, spec.shape))}], got {list(t.shape)}")
+            if m is None:
+                m = t.shape[0]
+            elif t.shape[0] != m:
+                raise ReplayError(f"field {k!r} has {t.shape[0]} rows, other fields have {m}")
+            # One reduction finds NaN / inf (an overflowing sum is then checked element-wise).
+            if t.is_floating_point() and not bool(torch.isfinite(t.sum())) and not bool(torch.isfinite(t).all()):
+                raise ReplayError(f"field {k!r} has NaN or infinite values")
+        return int(m)
+
+    def _leaf_values(self, priorities: torch.Tensor, name: str = "priorities") -> torch.Tensor:
+        p = priorities.to(self.device, torch.float64)
+        if not bool(((p >= 0) & (p < float("inf"))).all()):  # NaN fails both comparisons
+            bad = p[~((p >= 0) & (p < float("inf")))][0].item()
+            raise ReplayError(f"{name} must be finite and >= 0, got {bad}")
+        return (p + self.eps) ** self.alpha
+
+    def add(self, batch: Mapping[str, torch.Tensor], priorities: Optional[torch.Tensor] = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write M transitions (fields [M, ...]); priorities [M] (e.g. |TD|), or the running
+        maximum when None. Returns (slots [M], generations [M])."""
+        m = self._check_batch(batch)
+        if priorities is not None and priorities.shape != (m,):
+            raise ReplayError(f"priorities must be [M={m}], got {list(priorities.shape)}")
+        if m == 0:
+            empty = torch.empty(0, dtype=torch.long, device=self.device)
+            return empty, empty
+        keep = min(m, self.capacity)  # a batch larger than the ring keeps its newest rows
+        src = slice(m - keep, m)
+        slots = (self.next_slot + self._arange(keep)) % self.capacity
+        # The ring range is one or two contiguous runs: plain slice copies, no index scatter.
+        first = min(keep, self.capacity - self.next_slot)
+        runs = [(slice(self.next_slot, self.next_slot + first), slice(m - keep, m - keep + first))]
+        if first < keep:
+            runs.append((slice(0, keep - first), slice(m - keep + first, m)))
+        for k, t in batch.items():
+            dst = self.storage[k]
+            for d, s_ in runs:
+                dst[d] = t[s_].to(self.device, dst.dtype, non_blocking=True)
+        gens = self.writes + (m - keep) + self._arange(keep)
+        self.generation[slots] = gens
+        if priorities is None:
+            leaf = ((self._max_p + self.eps) ** self.alpha).expand(keep)
+        else:
+            pr = priorities[src]
+            leaf = self._leaf_values(pr)
+            self._max_p = torch.maximum(self._max_p, pr.max().to(self.device, torch.float64))
+        start = self.next_slot
+        self.tree.update_range(start, leaf[:first])
+        if first < keep:
+            self.tree.update_range(0, leaf[first:])
+        self.writes += m
+        self.next_slot = (self.next_slot + keep) % self.capacity
+        self.size = min(self.capacity, self.size + keep)
+        return slots, gens
+
+    # -- sampler -------------------------------------------------------------------------
+    @property
+    def beta(self) -> float:
+        return self.beta0 + (1.0 - self.beta0) * min(1.0, self.samples / self.beta_steps)
+
+    def sample(self, batch_size: int, beta: Optional[float] = None) -> SampledBatch:
+        if self.size == 0:
+            raise ReplayError("cannot sample from an empty replay")
+        if batch_size < 1:
+            raise ReplayError(f"batch_size must be >= 1, got {batch_size}")
+        total = self.tree.total
+        u = torch.rand(batch_size, dtype=torch.float64, device=self.device, generator=self.rng) * total
+        idx = self.tree.find(u)
+        leaf = self.tree.get(idx)
+        while not bool((leaf > 0).all()):  # float rounding at a block end: draw those again
+            bad = leaf <= 0
+            u2 = torch.rand(int(bad.sum()), dtype=torch.float64, device=self.device, generator=self.rng) * total
+            idx[bad] = self.tree.find(u2)
+            leaf = self.tree.get(idx)
+        p = leaf / total  # [B] sampling probabilities
+        b = self.beta if beta is None else beta
+        w = (self.size * p) ** (-b)
+        w = (w / w.max()).to(torch.float32)
+        self.samples += 1
+        rows = self.packed.index_select(0, idx)  # [B, columns]: one gather for the packed fields
+        data = {}
+        for k, f in self.fields.items():
+            if k in self.columns:
+                a, b_ = self.columns[k]
+                v = rows[:, a:b_].view(batch_size, *f.shape)
+                data[k] = v if f.dtype == torch.float32 else v.to(f.dtype)
+            else:
+                data[k] = self.storage[k].index_select(0, idx)
+        return SampledBatch(indices=idx, generations=self.generation.index_select(0, idx), weights=w,
+                            probabilities=p, data=data)
+
+    def update_priorities(self, indices: torch.Tensor, generations: torch.Tensor, priorities: torch.Tensor) -> int:
+        """Set new priorities; entries whose slot has been overwritten since sampling (its
+        generation changed) are ignored. Returns how many were applied."""
+        if not (indices.shape == generations.shape == priorities.shape) or indices.dim() != 1:
+            raise ReplayError(f"indices, generations and priorities must be equal 1-D shapes, got "
+                              f"{list(indices.shape)}, {list(generations.shape)}, {list(priorities.shape)}")
+        idx = indices.to(self.device)
+        if idx.numel() == 0:
+            return 0
+        if not bool(((idx >= 0) & (idx < self.capacity)).all()):
+            raise ReplayError(f"indices must be in [0, {self.capacity}), got {int(idx.min())}..{int(idx.max())}")
+        leaf = self._leaf_values(priorities)
+        fresh = self.generation[idx] == generations.to(self.device)
+        pr = priorities.to(self.device)
+        n = idx.numel()
+        if not bool(fresh.all()):
+            idx, leaf, pr = idx[fresh], leaf[fresh], pr[fresh]
+            n = idx.numel()
+        if n:
+            self.tree.update(idx, leaf)
+            self._max_p = torch.maximum(self._max_p, pr.max().to(torch.float64))  # no host sync
+        return n
+
+    # -- state ---------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {
+            "capacity": self.capacity, "fields": {k: (f.shape, str(f.dtype)) for k, f in self.fields.items()},
+            "storage": {k: t[: self.size].clone() if self.size < self.capacity else t.clone()
+                        for k, t in self.storage.items()},
+            "generation": self.generation.clone(), "leaves": self.tree.leaves.clone(),
+            "next_slot": self.next_slot, "size": self.size, "writes": self.writes, "samples": self.samples,
+            "max_priority": float(self._max_p), "alpha": self.alpha, "rng": self.rng.get_state(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        want = {k: (f.shape, str(f.dtype)) for k, f in self.fields.items()}
+        got = {k: (tuple(v[0]), v[1]) for k, v in state.get("fields", {}).items()}
+        if state.get("capacity") != self.capacity or got != want:
+            raise ReplayError(f"replay state is for capacity {state.get('capacity')} with fields {got}; "
+                              f"this replay has capacity {self.capacity} with fields {want}")
+        if state.get("alpha") != self.alpha:
+            raise ReplayError(f"replay state was written with alpha={state.get('alpha')}, this replay has {self.alpha}")
+        n = state["size"]
+        for k, t in state["storage"].items():
+            self.storage[k][: t.shape[0]].copy_(t.to(self.device))
+        self.generation.copy_(state["generation"].to(self.device))
+        self.tree.set_all(state["leaves"].to(self.device))
+        self.next_slot, self.size, self.writes = state["next_slot"], n, state["writes"]
+        self.samples = state["samples"]
+        self._max_p.fill_(state["max_priority"])
+        self.rng.set_state(state["rng"])
