@@ -17,6 +17,7 @@ log = logging.getLogger(__name__)
 
 _SRC = r"""
 #include <torch/extension.h>
+#include <limits>
 #include <vector>
 
 // levels[0] = leaves, levels[l+1][i] = sum of levels[l][i*F .. i*F+F-1]; all float64, contiguous.
@@ -47,9 +48,9 @@ torch::Tensor tree_find(std::vector<torch::Tensor> levels, torch::Tensor mass, i
         if (ub < c[j]) break;
         ub -= c[j];
       }
-      if (j == n) {  // rounding put the mass at the block's end: take its last non-empty child
-        j = last < 0 ? n - 1 : last;
-        ub = 0;
+      if (j == n) {  // rounding put the mass at the block's end: take its last non-empty child,
+        j = last < 0 ? n - 1 : last;  // and the end of that child's range further down
+        ub = std::numeric_limits<double>::infinity();
       }
       u[b] = ub;
       node[b] = base + j;
@@ -101,7 +102,7 @@ def kernels():
         if _module is None and not _failed:
             try:
                 from torch.utils.cpp_extension import load_inline
-                _module = load_inline(name="apex_bdq_sumtree_v3", cpp_sources=[_SRC], extra_cflags=["-O3"],
+                _module = load_inline(name="apex_bdq_sumtree_v4", cpp_sources=[_SRC], extra_cflags=["-O3"],
                                       verbose=False)
             except Exception as e:  # no compiler, no ninja, ...: fall back to tensor ops
                 log.warning("sum tree C++ kernels unavailable, using tensor operations on CPU: %s", e)

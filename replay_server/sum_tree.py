@@ -126,7 +126,7 @@ class SumTree:
             last = ((block > 0) * self._offsets[:n]).amax(1)
             overflow = j >= n
             node = base + torch.where(overflow, last, j)
-            u = torch.where(overflow, torch.zeros_like(u), u)
+            u = torch.where(overflow, torch.full_like(u, float("inf")), u)  # keep to the end below
         return node
 
     def _kernels(self):
