@@ -109,7 +109,8 @@ class SimConfig:
     drop_penalty: float = 1.0
     """Penalty per server-second of work refused by admission (objective weight)."""
     slo_credit: float = 1.0
-    """Share of a class's revenue in a window that is paid back when its SLO is broken."""
+    """When a class's SLO breaks in a window, this share of the value of all work offered to
+    it in the window is paid back (an SLA credit: serving nothing does not escape it)."""
     latency_cap_factor: float = 20.0
     """Reported latency is capped at this multiple of the class SLO (overload)."""
     trace: TraceConfig = field(default_factory=TraceConfig)
@@ -201,3 +202,147 @@ def sim_config_from_dict(d: dict) -> SimConfig:
     if unknown:
         raise ConfigError(f"unknown sim config keys: {unknown}")
     return SimConfig(trace=TraceConfig(**tr), **d)
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """BDQ + prioritized replay + exploration (the learning core)."""
+
+    gamma: float = 0.99
+    """Discount per tick (1 s): a ~100 s horizon covers the 60 s SLO settlement."""
+    n_step: int = 3
+    """n of the n-step return (Ape-X: 3)."""
+    lr: float = 1e-4
+    """Adam learning rate."""
+    batch_size: int = 256
+    """Transitions per learner update."""
+    replay_capacity: int = 200_000
+    """Replay ring size."""
+    alpha: float = 0.6
+    """Priority exponent (Ape-X: 0.6)."""
+    beta0: float = 0.4
+    """Initial importance-sampling exponent, annealed to 1 (Ape-X: 0.4)."""
+    beta_steps: int = 50_000
+    """Updates over which beta reaches 1."""
+    learning_starts: int = 5_000
+    """Transitions in replay before the first update."""
+    updates_per_tick: float = 1.0
+    """Learner updates per vectorised env tick (fractions accumulate)."""
+    target_update: int = 1_000
+    """Updates between hard copies of the online network into the target network."""
+    grad_clip: float = 10.0
+    """Max global gradient norm."""
+    huber_delta: float = 1.0
+    eps_base: float = 0.4
+    """Ape-X exploration ladder: shard i explores with eps_base^(1 + eps_alpha i/(S-1))."""
+    eps_alpha: float = 7.0
+    priority_rule: str = "mean"
+    """Priority = mean (or sum) over branches of |TD|, the same rule in actors and learner."""
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.gamma <= 1, f"agent.gamma must be in [0, 1], got {self.gamma!r}")
+        _check(self.n_step >= 1, f"agent.n_step must be >= 1, got {self.n_step!r}")
+        _check(self.lr > 0, f"agent.lr must be > 0, got {self.lr!r}")
+        _check(self.batch_size >= 1, f"agent.batch_size must be >= 1, got {self.batch_size!r}")
+        _check(self.replay_capacity >= self.batch_size,
+               f"agent.replay_capacity={self.replay_capacity} is smaller than batch_size={self.batch_size}")
+        _check(self.learning_starts >= self.batch_size,
+               f"agent.learning_starts={self.learning_starts} must be >= batch_size={self.batch_size}")
+        _check(self.updates_per_tick > 0, f"agent.updates_per_tick must be > 0, got {self.updates_per_tick!r}")
+        _check(self.target_update >= 1, f"agent.target_update must be >= 1, got {self.target_update!r}")
+        _check(0 < self.eps_base <= 1, f"agent.eps_base must be in (0, 1], got {self.eps_base!r}")
+        _check(self.priority_rule in ("mean", "sum"),
+               f"agent.priority_rule must be 'mean' or 'sum', got {self.priority_rule!r}")
+
+    def epsilons(self, num: int) -> tuple[float, ...]:
+        """The Ape-X exploration ladder for `num` explorers."""
+        if num == 1:
+            return (self.eps_base,)
+        return tuple(self.eps_base ** (1 + self.eps_alpha * i / (num - 1)) for i in range(num))
+
+
+@dataclass(frozen=True)
+class NetConfig:
+    """Sizes of the BDQ network."""
+
+    macro_features: int = 15
+    """Fm: macro observation width."""
+    num_classes: int = 4
+    """K: request classes in the micro observation."""
+    history: int = 8
+    """H: ticks of micro history."""
+    micro_features: int = 5
+    """Fu: micro features per class and tick."""
+    num_branches: int = 4
+    """D: action branches."""
+    sub_actions: int = 5
+    """n: choices per branch."""
+    macro_hidden: int = 128
+    """Width of the macro MLP."""
+    micro_channels: int = 32
+    """Channels of the per-class temporal convolution."""
+    class_embedding: int = 8
+    """Learned per-class embedding, so shared micro weights still know the class."""
+    z_dim: int = 256
+    """Width of the fused shared representation z."""
+    head_hidden: int = 128
+    """Hidden width of the value stream and of each advantage branch."""
+    scale_shared_grad: bool = True
+    """Scale the gradient entering z from the heads by 1/(D+1) (BDQ paper, Sec. 3)."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, int) and not isinstance(v, bool) and v < 1:
+                raise ConfigError(f"net.{f.name} must be >= 1, got {v!r}")
+        if self.sub_actions < 2:
+            raise ConfigError(f"net.sub_actions must be >= 2, got {self.sub_actions!r}")
+
+    @classmethod
+    def for_sim(cls, sim_cfg, **overrides) -> "NetConfig":
+        """Sizes matching a SimConfig's observation and action spaces."""
+        from apex_bdq.sim.platform import MACRO_FEATURES, MICRO_FEATURES
+        return cls(macro_features=len(MACRO_FEATURES), num_classes=sim_cfg.num_classes, history=sim_cfg.history,
+                   micro_features=len(MICRO_FEATURES), num_branches=sim_cfg.num_branches,
+                   sub_actions=sim_cfg.sub_actions, **overrides)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything one training run needs; a checkpoint stores it whole."""
+
+    sim: SimConfig = field(default_factory=lambda: SimConfig(num_shards=32, seed=1))
+    net: Optional[NetConfig] = None
+    """None: sized from `sim`."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    minutes: float = 9.0
+    """Wall-clock budget for collection and learning (evaluation comes after)."""
+    max_env_ticks: Optional[int] = None
+    """Stop after this many vectorised ticks (None: only the time budget)."""
+    eval_every_s: float = 120.0
+    """Seconds between evaluations on a slice of the held-out range during training."""
+    eval_ticks: int = 600
+    """Ticks per shard of those periodic evaluations (the final one covers the whole range)."""
+    eval_shards: int = 8
+    final_eval_ticks: Optional[int] = None
+    """Ticks per shard of the final evaluation (None: the whole held-out range)."""
+    seed: int = 0
+    torch_threads: int = 2
+
+    def __post_init__(self) -> None:
+        _check(self.minutes > 0, f"train.minutes must be > 0, got {self.minutes!r}")
+        _check(self.eval_ticks >= 1 and self.eval_shards >= 1, "train.eval_ticks and eval_shards must be >= 1")
+        if self.net is None:
+            object.__setattr__(self, "net", NetConfig.for_sim(self.sim))
+        want = NetConfig.for_sim(self.sim)
+        for f in ("macro_features", "num_classes", "history", "micro_features", "num_branches", "sub_actions"):
+            _check(getattr(self.net, f) == getattr(want, f),
+                   f"train.net.{f}={getattr(self.net, f)} does not match the simulator ({getattr(want, f)})")
+
+
+def train_config_from_dict(d: dict) -> TrainConfig:
+    d = dict(d)
+    sim = sim_config_from_dict(d.pop("sim"))
+    net = NetConfig(**d.pop("net"))
+    agent = AgentConfig(**d.pop("agent"))
+    return TrainConfig(sim=sim, net=net, agent=agent, **d)

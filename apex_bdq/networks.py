@@ -13,59 +13,10 @@ The output grows linearly in D (D x n advantages + 1 value), where a flat Q head
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
-from apex_bdq.config import ConfigError
-
-
-@dataclass(frozen=True)
-class NetConfig:
-    """Sizes of the BDQ network."""
-
-    macro_features: int = 15
-    """Fm: macro observation width."""
-    num_classes: int = 4
-    """K: request classes in the micro observation."""
-    history: int = 8
-    """H: ticks of micro history."""
-    micro_features: int = 5
-    """Fu: micro features per class and tick."""
-    num_branches: int = 4
-    """D: action branches."""
-    sub_actions: int = 5
-    """n: choices per branch."""
-    macro_hidden: int = 128
-    """Width of the macro MLP."""
-    micro_channels: int = 32
-    """Channels of the per-class temporal convolution."""
-    class_embedding: int = 8
-    """Learned per-class embedding, so shared micro weights still know the class."""
-    z_dim: int = 256
-    """Width of the fused shared representation z."""
-    head_hidden: int = 128
-    """Hidden width of the value stream and of each advantage branch."""
-    scale_shared_grad: bool = True
-    """Scale the gradient entering z from the heads by 1/(D+1) (BDQ paper, Sec. 3)."""
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, int) and not isinstance(v, bool) and v < 1:
-                raise ConfigError(f"net.{f.name} must be >= 1, got {v!r}")
-        if self.sub_actions < 2:
-            raise ConfigError(f"net.sub_actions must be >= 2, got {self.sub_actions!r}")
-
-    @classmethod
-    def for_sim(cls, sim_cfg, **overrides) -> "NetConfig":
-        """Sizes matching a SimConfig's observation and action spaces."""
-        from apex_bdq.sim.platform import MACRO_FEATURES, MICRO_FEATURES
-        return cls(macro_features=len(MACRO_FEATURES), num_classes=sim_cfg.num_classes, history=sim_cfg.history,
-                   micro_features=len(MICRO_FEATURES), num_branches=sim_cfg.num_branches,
-                   sub_actions=sim_cfg.sub_actions, **overrides)
+from apex_bdq.config import NetConfig  # noqa: F401  (re-exported: the network's sizes)
 
 
 class MacroEncoder(nn.Module):

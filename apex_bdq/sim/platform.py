@@ -13,7 +13,8 @@ Per tick and shard (DESIGN.md, "The learning problem"):
      overload, admission drops when the backlog exceeds the admission limit;
   6. p99 latency = service time + Erlang-C p99 wait + backlog drain time;
   7. reward = revenue of served work - power cost - drop penalty - SLO credit, the last
-     settled once per accounting window (delayed, sparse);
+     settled once per accounting window (delayed, sparse): a class whose SLO broke in the
+     window pays back the value of all the work offered to it in that window;
   8. macro observations are averaged over the monitoring resolution and read through a
      monitoring lag (metrics-server style); micro ones are immediate.
 """
@@ -335,7 +336,7 @@ class PlatformSim:
         drop_pen = cfg.drop_penalty * ((drops * self.inv_mu) @ ones)
         self.win_req += arrivals
         self.win_late += late * admitted + drops
-        self.win_work += work
+        self.win_work += arrivals * self.inv_mu  # work offered to each class
         win = self.win
         win[0] += busy
         win[1] += servers * dt

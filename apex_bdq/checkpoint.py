@@ -1,0 +1,95 @@
+"""Checkpoints of the local trainer, and the greedy policy `launch.evaluate` loads from one.
+
+A checkpoint is one `torch.save` file: format tag, the full config as plain data, learner
+state (online + target weights, optimiser), step counters. Loading checks the format and
+that the network fits the simulator it will act in, and names any mismatch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from apex_bdq.config import ConfigError, SimConfig
+from apex_bdq.networks import BDQNetwork, NetConfig
+
+FORMAT = "apex-bdq-checkpoint/1"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is corrupt, of another format, or does not fit the config."""
+
+
+def save_checkpoint(path: str | Path, config: dict, learner_state: dict, counters: dict) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    torch.save({"format": FORMAT, "config": config, "learner": learner_state, "counters": counters}, tmp)
+    tmp.replace(path)  # atomic: a crash mid-write never leaves a torn checkpoint
+
+
+def load_checkpoint(path: str | Path) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise CheckpointError(f"checkpoint {str(p)!r} does not exist")
+    try:
+        ck = torch.load(p, map_location="cpu", weights_only=False)
+    except Exception as e:  # truncated / not a torch file
+        raise CheckpointError(f"checkpoint {str(p)!r} is corrupt or not a checkpoint: {type(e).__name__}: {e}") from e
+    if not isinstance(ck, dict) or ck.get("format") != FORMAT:
+        got = ck.get("format") if isinstance(ck, dict) else type(ck).__name__
+        raise CheckpointError(f"checkpoint {str(p)!r} has format {got!r}, expected {FORMAT!r}")
+    return ck
+
+
+def net_config_of(ck: dict) -> NetConfig:
+    return NetConfig(**ck["config"]["net"])
+
+
+def check_fits(net_cfg: NetConfig, sim_cfg: SimConfig, what: str) -> None:
+    want = NetConfig.for_sim(sim_cfg)
+    diffs = [f"{f}: checkpoint {getattr(net_cfg, f)} vs config {getattr(want, f)}"
+             for f in ("macro_features", "num_classes", "history", "micro_features", "num_branches", "sub_actions")
+             if getattr(net_cfg, f) != getattr(want, f)]
+    if diffs:
+        raise CheckpointError(f"{what} does not fit this simulator config: " + "; ".join(diffs))
+
+
+class GreedyPolicy:
+    """argmax_a Q_d per branch: the learned policy as `evaluate_policy` runs it."""
+
+    def __init__(self, net: BDQNetwork, name: str = "learned") -> None:
+        self.net = net.eval()
+        self.name = name
+
+    def reset(self, sim) -> None:
+        check_fits(self.net.cfg, sim.cfg, f"policy {self.name!r}")
+
+    @torch.no_grad()
+    def act(self, sim, obs):
+        q = self.net(torch.from_numpy(np.ascontiguousarray(obs.macro)), torch.from_numpy(np.ascontiguousarray(obs.micro)))
+        return q.argmax(-1).numpy(), None
+
+
+def load_policy(path: str | Path, sim_cfg: Optional[SimConfig] = None) -> GreedyPolicy:
+    ck = load_checkpoint(path)
+    try:
+        net_cfg = net_config_of(ck)
+    except (KeyError, TypeError, ConfigError) as e:
+        raise CheckpointError(f"checkpoint {str(path)!r} has no usable network config: {e}") from e
+    if sim_cfg is not None:
+        check_fits(net_cfg, sim_cfg, f"checkpoint {str(path)!r}")
+    net = BDQNetwork(net_cfg)
+    try:
+        net.load_state_dict(ck["learner"]["net"])
+    except (KeyError, RuntimeError) as e:
+        raise CheckpointError(f"checkpoint {str(path)!r}: weights do not match its network config: {e}") from e
+    return GreedyPolicy(net, name=f"checkpoint:{Path(path).name}")
+
+
+def config_to_dict(obj) -> dict:
+    return dataclasses.asdict(obj)

@@ -1,0 +1,73 @@
+"""The learner step (no Ray): BDQ TD loss on a prioritized batch, Adam, target network."""
+
+from __future__ import annotations
+
+import copy
+from typing import Optional
+
+import numpy as np
+import torch
+
+from apex_bdq.config import AgentConfig
+from apex_bdq.losses import bdq_td_loss
+from apex_bdq.networks import BDQNetwork, NetConfig
+
+
+class Learner:
+    def __init__(self, net_cfg: NetConfig, agent_cfg: AgentConfig, device: str | torch.device = "cpu",
+                 seed: int = 0) -> None:
+        torch.manual_seed(seed)
+        self.device = torch.device(device)
+        self.cfg = agent_cfg
+        self.net = BDQNetwork(net_cfg).to(self.device)
+        self.target = copy.deepcopy(self.net).requires_grad_(False)
+        self.opt = torch.optim.Adam(self.net.parameters(), lr=agent_cfg.lr)
+        self.updates = 0
+        self.version = 0  # bumped whenever the weights change; stamped on what they produce
+
+    def update(self, data: dict, weights: torch.Tensor) -> dict:
+        """One gradient step on a sampled batch; returns metrics and new priorities [B]."""
+        c = self.cfg
+        q = self.net(data["macro"], data["micro"])  # [B, D, n]
+        with torch.no_grad():
+            q_next_online = self.net(data["next_macro"], data["next_micro"])
+            q_next_target = self.target(data["next_macro"], data["next_micro"])
+        loss, ex = bdq_td_loss(q, data["action"].long(), data["reward"], data["discount"], q_next_online,
+                               q_next_target, weights.to(self.device), huber_delta=c.huber_delta,
+                               priority=c.priority_rule)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"TD loss is {loss.item()} at update {self.updates}: check rewards and lr")
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.net.parameters(), c.grad_clip)
+        self.opt.step()
+        self.updates += 1
+        self.version += 1
+        if self.updates % c.target_update == 0:
+            self.target.load_state_dict(self.net.state_dict())
+        return {"loss": float(loss.detach()), "q_mean": float(ex["q_mean"]), "grad_norm": float(grad_norm),
+                "priorities": ex["priorities"]}
+
+    def state_dict(self) -> dict:
+        return {"net": self.net.state_dict(), "target": self.target.state_dict(), "opt": self.opt.state_dict(),
+                "updates": self.updates, "version": self.version}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.net.load_state_dict(state["net"])
+        self.target.load_state_dict(state["target"])
+        self.opt.load_state_dict(state["opt"])
+        self.updates, self.version = state["updates"], state["version"]
+
+
+@torch.no_grad()
+def act_epsilon_greedy(net: BDQNetwork, macro: np.ndarray, micro: np.ndarray, eps: np.ndarray,
+                       rng: np.random.Generator, device: Optional[torch.device] = None) -> tuple[np.ndarray, np.ndarray]:
+    """Per-branch epsilon-greedy: each branch explores on its own with its shard's eps.
+
+    Returns (actions [S, D] int64, q [S, D, n] float32)."""
+    dev = device or next(net.parameters()).device
+    q = net(torch.as_tensor(macro, device=dev), torch.as_tensor(micro, device=dev)).cpu().numpy()
+    greedy = q.argmax(-1)  # [S, D]
+    S, D, n = q.shape
+    explore = rng.random((S, D)) < eps[:, None]
+    return np.where(explore, rng.integers(0, n, size=(S, D)), greedy), q
