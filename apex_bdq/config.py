@@ -94,9 +94,11 @@ class SimConfig:
     """Capacity floor per pool."""
     initial_utilisation: float = 0.6
     """Episodes start with capacity = offered load / this (a warm platform)."""
-    capacity_step: float = 0.2
-    """Largest relative capacity change one tick can ask for; choices are evenly spaced in
-    [-capacity_step, +capacity_step], non-zero choices move at least one server."""
+    headroom_min: float = 1.0
+    """Capacity tiers: the capacity branch sets target = ceil(monitored demand x headroom),
+    with n headroom tiers spaced geometrically from headroom_min to headroom_max. Holding a
+    tier tracks the demand; the tier is how much spare capacity to run with."""
+    headroom_max: float = 3.0
     priority_tilt: float = 1.0
     """Largest log-weight tilt of the capacity shares towards tight-SLO classes."""
     speed_min: float = 0.6
@@ -137,7 +139,9 @@ class SimConfig:
                f"({self.min_servers} x {self.num_pools})")
         _check(0 < self.initial_utilisation <= 1,
                f"sim.initial_utilisation must be in (0, 1], got {self.initial_utilisation!r}")
-        _check(0 < self.capacity_step < 1, f"sim.capacity_step must be in (0, 1), got {self.capacity_step!r}")
+        _check(0 < self.headroom_min <= self.headroom_max,
+               f"sim.headroom_min / headroom_max must satisfy 0 < min <= max, got "
+               f"{self.headroom_min!r} / {self.headroom_max!r}")
         _check(0 < self.speed_min <= 1, f"sim.speed_min must be in (0, 1], got {self.speed_min!r}")
         _check(0 <= self.idle_power_frac <= 1,
                f"sim.idle_power_frac must be in [0, 1], got {self.idle_power_frac!r}")

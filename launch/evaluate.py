@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from apex_bdq.checkpoint import CheckpointError
 from apex_bdq.config import ConfigError, SimConfig, TraceConfig
 from apex_bdq.evaluation import METRIC_KEYS, EvalResult, evaluate_policy
 from apex_bdq.sim.baselines import BASELINES, make_baseline
@@ -78,7 +79,7 @@ def print_table(title: str, results: dict[str, dict]) -> None:
 
 def make_policy(name: str, cfg: SimConfig):
     if name.startswith("checkpoint:"):
-        from apex_bdq.checkpoint import load_policy  # the learned agent (issue 3)
+        from apex_bdq.checkpoint import load_policy
         return load_policy(name.split(":", 1)[1], cfg)
     return make_baseline(name)
 
@@ -157,7 +158,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                                               interval_s=a.interval_s))
             label = path.name if path else "bundled azure_functions2019_4class_1min.csv"
             results = run_trace(cfg, names, a.shards, a.ticks, not a.quiet and sys.stderr.isatty())
-        except (TraceError, ConfigError) as e:
+        except (TraceError, ConfigError, CheckpointError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         metrics = {n: r.metrics for n, r in results.items()}

@@ -118,16 +118,17 @@ def test_provisioning_delay_and_cancel_newest_pending_first():
     assert int(sim.active[0, 0]) == cfg.min_servers
 
 
-def test_capacity_branch_moves_by_relative_steps():
+def test_capacity_tiers_track_the_monitored_demand():
     sim = PlatformSim(SimConfig(num_shards=3, provisioning_delay_s=0.0))
-    t0 = sim.target[:, 0].copy()
     a = hold(sim)
-    a[:, 0] = [0, 2, 4]  # -20 %, hold, +20 %
-    sim.step(a)
-    assert sim.target[0, 0] == t0[0] - round(0.2 * t0[0])
-    assert sim.target[1, 0] == t0[1]
-    assert sim.target[2, 0] == t0[2] + round(0.2 * t0[2])
+    a[:, 0] = [0, 2, 4]  # headroom 1.0, 1.73, 3.0 over the demand the monitoring reports
+    for _ in range(5):
+        demand = sim.monitored()["load"] * sim.mean_load  # what the tier multiplies (lagged)
+        sim.step(a)
+        want = np.clip(np.ceil(demand * sim.headroom[[0, 2, 4]]), 1, sim.pool_max)
+        np.testing.assert_allclose(sim.target[:, 0], want, rtol=1e-5, atol=1)
     assert (sim.active[:, 0] == sim.target[:, 0]).all()  # no delay configured
+    np.testing.assert_allclose(sim.headroom, np.geomspace(1.0, 3.0, 5))
 
 
 def test_slo_penalty_is_settled_once_per_window():

@@ -2,9 +2,10 @@
 
 Per tick and shard (DESIGN.md, "The learning problem"):
   1. servers whose provisioning delay has passed become active;
-  2. the action sets the capacity target (new servers enter a `delay` pipeline, removals
-     cancel the newest pending servers first, then remove active ones), the priority tilt,
-     the admission level and the service-speed (scheduling) level;
+  2. the action sets the capacity tier (target = monitored demand x headroom; new servers
+     enter a `delay` pipeline, removals cancel the newest pending servers first, then remove
+     active ones), the priority tilt, the admission level and the service-speed
+     (scheduling) level;
   3. active servers are split between classes by the servers each needs (requests in
      service, an M/M/inf estimate from admitted arrivals, plus what drains its queue
      within one SLO; never less than that need averaged over a window) x priority weight;
@@ -120,7 +121,7 @@ class PlatformSim:
         self.cum_mat = np.triu(np.ones((K, K), dtype=f32))  # x @ cum_mat = cumsum over classes
         self.diff_mat = (np.eye(K) - np.eye(K, k=1)).astype(f32)  # x @ diff_mat = diff, first kept
         # Choices per branch, derived once.
-        self.cap_steps = np.linspace(-cfg.capacity_step, cfg.capacity_step, n)  # [n]
+        self.headroom = np.geomspace(cfg.headroom_min, cfg.headroom_max, n)  # [n] capacity tiers
         tilts = np.linspace(-cfg.priority_tilt, cfg.priority_tilt, n)  # [n]
         class_rank = np.linspace(1.0, -1.0, K) if K > 1 else np.zeros(1)  # tight SLO first
         self.tilt_w = np.exp(tilts[:, None] * class_rank[None, :]).astype(f32)  # [n, K]
@@ -196,6 +197,8 @@ class PlatformSim:
         mon[:, 0] = load.sum(1) / self.mean_load
         mon[:, 1] = self.cfg.initial_utilisation
         self.mon_ring[:] = mon
+        self.mon_class = np.empty((self.lag + 1, S, K), dtype=f32)  # monitored per-class demand, Erlangs
+        self.mon_class[:] = load
         self.servers_k = self._split_capacity()
         return self._observe()
 
@@ -259,9 +262,12 @@ class PlatformSim:
                                   f"{ct.dtype} {ct.shape}")
             self.target = np.clip(ct, cfg.min_servers, self.pool_max).astype(np.int32)
         else:
-            step = self.cap_steps[a[:, :P]]  # [S, P]
-            delta = np.sign(step) * np.maximum(1.0, np.rint(np.abs(step) * self.target))
-            self.target = np.clip(self.target + delta.astype(np.int32), cfg.min_servers, self.pool_max)
+            # Capacity tier: spare capacity over the demand the monitoring reports (lagged).
+            demand = self.mon_class[(self.mon_ptr - self.lag) % (self.lag + 1)]  # [S, K] Erlangs
+            if P == 1:
+                demand = demand @ self.onesK[:, None]  # [S, 1]
+            want = np.ceil(demand * self.headroom[a[:, :P]])
+            self.target = np.clip(want, cfg.min_servers, self.pool_max).astype(np.int32)
         if P == 1:
             self.level[:, 0] = a[:, 1]
         self.level[:, 1:] = a[:, -2:]
@@ -362,13 +368,16 @@ class PlatformSim:
 
         # 8. monitoring ring (averaged, read back with a lag), micro history.
         util = busy / np.maximum(servers * dt, 1e-9)
-        offered = (lam * self.inv_mu) @ ones
+        offered_k = lam * self.inv_mu  # [S, K] Erlangs offered
+        offered = offered_k @ ones
         prev = self.mon_ring[self.mon_ptr]
         self.mon_ptr = (self.mon_ptr + 1) % (self.lag + 1)
         mon = self.mon_ring[self.mon_ptr]
         mon[:, 2:6] = self.last_window
         a_m = self.mon_alpha
-        mon[:, 0] = prev[:, 0] + a_m * (offered * (1.0 / self.mean_load) - prev[:, 0])
+        prev_k = self.mon_class[(self.mon_ptr - 1) % (self.lag + 1)]
+        self.mon_class[self.mon_ptr] = prev_k + a_m * (offered_k - prev_k)
+        mon[:, 0] = (self.mon_class[self.mon_ptr] @ ones) * (1.0 / self.mean_load)
         mon[:, 1] = prev[:, 1] + a_m * (util - prev[:, 1])
         mon[:, 6] = prev[:, 6] + a_m * (((backlog * self.inv_mu) @ ones) * (1.0 / self.mean_load) - prev[:, 6])
         self.hist_ptr = h = (self.hist_ptr + 1) % self.H

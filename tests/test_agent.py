@@ -1,0 +1,122 @@
+"""n-step returns, the learner step, the rollout worker, checkpoints and the local trainer."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from actors.rollout import RolloutWorker
+from apex_bdq.checkpoint import CheckpointError, load_policy
+from apex_bdq.config import AgentConfig, ConfigError, NetConfig, SimConfig, TrainConfig
+from apex_bdq.nstep import NStepAccumulator
+from launch import evaluate, train
+from learner.learner import Learner
+
+
+def test_nstep_returns_by_hand():
+    acc = NStepAccumulator(num_shards=2, n=3, gamma=0.5)
+    obs = [np.full((2, 1), t, np.float32) for t in range(6)]
+    micro = [np.full((2, 1, 1, 1), t, np.float32) for t in range(6)]
+    rewards = [np.array([1.0, 10.0]) * (t + 1) for t in range(5)]
+    outs = []
+    for t in range(5):
+        outs.append(acc.push(obs[t], micro[t], np.array([[t], [t]]), rewards[t], obs[t + 1], micro[t + 1]))
+    assert outs[0] is None and outs[1] is None
+    first = outs[2]
+    # s_0, R = 1 + 0.5 * 2 + 0.25 * 3 = 2.75 (x10 for shard 1), discount 0.5^3, s_3.
+    np.testing.assert_allclose(first.reward, [2.75, 27.5])
+    np.testing.assert_allclose(first.discount, [0.125, 0.125])
+    assert first.macro[0, 0] == 0 and first.next_macro[0, 0] == 3 and first.action[0, 0] == 0
+    np.testing.assert_allclose(outs[4].reward, [3 + 0.5 * 4 + 0.25 * 5, 30 + 0.5 * 40 + 0.25 * 50])
+    # Time-limit end: the two pending ticks leave with 2- and 1-step returns, bootstrapping from s_5.
+    tail = acc.flush(obs[5], micro[5])
+    np.testing.assert_allclose(tail.reward, [4 + 0.5 * 5, 40 + 25, 5, 50])
+    np.testing.assert_allclose(tail.discount, [0.25, 0.25, 0.5, 0.5])
+    assert (tail.next_macro == 5).all()
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        NStepAccumulator(2, 0, 0.9)
+
+
+def test_learner_fits_a_fixed_batch_and_copies_the_target():
+    cfg = NetConfig(macro_hidden=32, micro_channels=8, z_dim=32, head_hidden=32)
+    agent = AgentConfig(batch_size=16, replay_capacity=64, learning_starts=16, target_update=5, lr=1e-3)
+    ln = Learner(cfg, agent, seed=0)
+    g = torch.Generator().manual_seed(0)
+    data = {"macro": torch.randn(16, 15, generator=g), "micro": torch.randn(16, 4, 8, 5, generator=g),
+            "action": torch.randint(0, 5, (16, 4), generator=g).to(torch.uint8),
+            "reward": torch.randn(16, generator=g), "discount": torch.zeros(16),
+            "next_macro": torch.randn(16, 15, generator=g), "next_micro": torch.randn(16, 4, 8, 5, generator=g)}
+    losses = [ln.update(data, torch.ones(16))["loss"] for _ in range(60)]
+    assert losses[-1] < 0.2 * losses[0]
+    for p, q in zip(ln.net.parameters(), ln.target.parameters()):
+        torch.testing.assert_close(p, q)  # 60 updates: last copy at update 60
+    out = ln.update(data, torch.ones(16))
+    assert out["priorities"].shape == (16,) and (out["priorities"] >= 0).all()
+    assert any(not torch.equal(p, q) for p, q in zip(ln.net.parameters(), ln.target.parameters()))
+
+
+def test_rollout_worker_ladder_transitions_and_priorities():
+    sim = SimConfig(num_shards=4, episode_s=10.0)
+    agent = AgentConfig(n_step=3)
+    assert agent.epsilons(4)[0] == pytest.approx(0.4) and agent.epsilons(4)[-1] == pytest.approx(0.4 ** 8)
+    net = Learner(NetConfig.for_sim(sim), agent).net
+    w = RolloutWorker(sim, agent, net, seed=0)
+    got = [w.step() for _ in range(10)]
+    assert got[0] is None and got[1] is None and len(got[2]) == 4
+    # Episode end after 10 ticks: 8 full 3-step transitions per shard, plus the 2 tails.
+    assert sum(len(t) for t in got if t is not None) == 10 * 4
+    assert len(w.finished_rewards) == 4 and w.sim.t == 0
+    pr = w.priorities(got[5])
+    assert pr.shape == (4,) and (pr >= 0).all() and np.isfinite(pr).all()
+
+
+def test_smoke_training_writes_json_checkpoint_and_evaluates(tmp_path, capsys):
+    out, ck, curve = tmp_path / "train.json", tmp_path / "ck.pt", tmp_path / "curve.png"
+    assert train.main(["--local", "--preset", "smoke", "--json", str(out), "--checkpoint", str(ck),
+                       "--curve", str(curve), "--quiet"]) == 0
+    res = json.loads(out.read_text())
+    for key in ("eval_reward", "hpa_eval_reward", "slo_violation_rate", "hpa_slo_violation_rate"):
+        assert isinstance(res[key], float)
+    assert res["updates"] > 0 and res["env_steps"] > 0 and curve.stat().st_size > 5000
+    # The checkpoint is a policy for the evaluate entry point.
+    ev = tmp_path / "ev.json"
+    assert evaluate.main(["--policy", f"checkpoint:{ck}", "--ticks", "30", "--shards", "2", "--json", str(ev),
+                          "--quiet"]) == 0
+    m = json.loads(ev.read_text())[f"checkpoint:{ck}"]
+    assert np.isfinite(m["reward"])
+    # Resume continues the counters.
+    trainer = train.LocalTrainer(train.PRESETS["smoke"])
+    trainer.resume(ck)
+    assert trainer.learner.updates == res["updates"] and trainer.ticks > 0
+
+
+def test_checkpoint_errors_name_the_problem(tmp_path):
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match="corrupt or not a checkpoint"):
+        load_policy(bad)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_policy(tmp_path / "none.pt")
+    other = tmp_path / "other.pt"
+    torch.save({"format": "something-else"}, other)
+    with pytest.raises(CheckpointError, match="format 'something-else'"):
+        load_policy(other)
+    # A checkpoint trained for per-class capacity (D = 6) does not fit the default simulator.
+    cfg = dataclasses.replace(train.PRESETS["smoke"], sim=SimConfig(num_shards=4, per_class_capacity=True), net=None)
+    t = train.LocalTrainer(cfg)
+    ck = tmp_path / "d6.pt"
+    t.checkpoint(ck)
+    with pytest.raises(CheckpointError, match="num_branches: checkpoint 6 vs config 4"):
+        load_policy(ck, SimConfig())
+    with pytest.raises(CheckpointError, match="trained with network"):
+        train.LocalTrainer(train.PRESETS["smoke"]).resume(ck)
+    assert evaluate.main(["--policy", f"checkpoint:{ck}", "--quiet"]) == 2
+
+
+def test_train_config_checks():
+    with pytest.raises(ConfigError, match="learning_starts=10 must be >= batch_size=32"):
+        AgentConfig(batch_size=32, learning_starts=10)
+    with pytest.raises(ConfigError, match="num_branches=5 does not match"):
+        TrainConfig(net=NetConfig(num_branches=5))
