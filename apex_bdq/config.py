@@ -269,13 +269,13 @@ class AgentConfig:
 class NetConfig:
     """Sizes of the BDQ network."""
 
-    macro_features: int = 15
+    macro_features: int = 16
     """Fm: macro observation width."""
     num_classes: int = 4
     """K: request classes in the micro observation."""
     history: int = 8
     """H: ticks of micro history."""
-    micro_features: int = 5
+    micro_features: int = 6
     """Fu: micro features per class and tick."""
     num_branches: int = 4
     """D: action branches."""

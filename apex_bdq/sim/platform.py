@@ -37,9 +37,9 @@ from apex_bdq.sim.trace import BUNDLED_COLUMNS, BUNDLED_TRACE, TickRates, load_t
 MACRO_MONITORED = ("load", "utilisation", "window_utilisation", "window_cost", "window_slo_violation",
                    "window_drop", "backlog")
 MACRO_CONTROL = ("tod_sin", "tod_cos", "active", "pending", "target", "priority_level",
-                 "admission_level", "speed_level")
+                 "admission_level", "speed_level", "window_phase")
 MACRO_FEATURES = MACRO_MONITORED + MACRO_CONTROL
-MICRO_FEATURES = ("arrivals", "backlog", "p99_over_slo", "drops", "servers")
+MICRO_FEATURES = ("arrivals", "backlog", "p99_over_slo", "drops", "servers", "slo_budget_burn")
 P99_Q = 0.01  # tail mass of the p99
 
 
@@ -387,6 +387,9 @@ class PlatformSim:
         frame[..., 2] = p99 * self.inv_slo
         frame[..., 3] = drops * self.inv_mean_n
         frame[..., 4] = c * self.inv_class_load
+        # Error budget burnt so far in the open accounting window (1 = the 1 % the SLO
+        # allows): what an SRE dashboard shows, and what the window's SLO credit depends on.
+        frame[..., 5] = np.minimum(self.win_late / (np.maximum(self.win_req, 1.0) * P99_Q), 10.0)
         self.micro_items[:, :, h] = self.frame_items
         self.micro_items[:, :, h + self.H] = self.frame_items
 
@@ -432,7 +435,8 @@ class PlatformSim:
             macro[:, m + 2] = self.active.sum(1) * inv
             macro[:, m + 3] = self.pending.sum(1) * inv
             macro[:, m + 4] = self.target.sum(1) * inv
-        macro[:, m + 5:] = self.level * (1.0 / (n - 1))
+        macro[:, m + 5:m + 8] = self.level * (1.0 / (n - 1))
+        macro[:, m + 8] = (self.t % self.W) / self.W  # how far the open accounting window is
         p = self.hist_ptr + 1
         micro = self.micro_buf[:, :, p:p + self.H]  # [S, K, H, Fu], oldest first
         return Observation(macro=macro, micro=micro.copy() if self.copy_obs else micro)
