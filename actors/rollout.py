@@ -43,7 +43,7 @@ class RolloutWorker:
         nxt, reward, truncated, _ = self.sim.step(actions)
         self.env_steps += self.sim.S
         self.episode_reward += reward
-        out = self.nstep.push(o.macro, o.micro, actions, reward, nxt.macro, nxt.micro)
+        out = self.nstep.push(o.macro, o.micro, actions, reward * self.cfg.reward_scale, nxt.macro, nxt.micro)
         if truncated:
             tail = self.nstep.flush(nxt.macro, nxt.micro)
             out = tail if out is None else Transitions.concat([out, tail])
