@@ -30,20 +30,29 @@ class RolloutWorker:
         if self.eps.shape != (sim_cfg.num_shards,):
             raise ValueError(f"epsilons must be one per shard ({sim_cfg.num_shards}), got {self.eps.shape}")
         self.rng = np.random.default_rng(seed + 1)
-        self.nstep = NStepAccumulator(sim_cfg.num_shards, agent_cfg.n_step, agent_cfg.gamma)
+        # Discount per decision: gamma^k for a decision held k ticks.
+        self.nstep = NStepAccumulator(sim_cfg.num_shards, agent_cfg.n_step, agent_cfg.gamma ** agent_cfg.decision_ticks)
         self.obs = self.sim.reset(seed=seed)
         self.env_steps = 0
         self.episode_reward = np.zeros(sim_cfg.num_shards)
         self.finished_rewards: list[float] = []
 
     def step(self) -> Optional[Transitions]:
-        """One tick of every shard; returns the transitions completed by it (or None)."""
+        """One decision of every shard: act, hold the action for `decision_ticks` ticks,
+        and return the n-step transitions (over decisions) completed by it (or None)."""
         o = self.obs
         actions, _ = act_epsilon_greedy(self.net, o.macro, o.micro, self.eps, self.rng)
-        nxt, reward, truncated, _ = self.sim.step(actions)
-        self.env_steps += self.sim.S
-        self.episode_reward += reward
-        out = self.nstep.push(o.macro, o.micro, actions, reward * self.cfg.reward_scale, nxt.macro, nxt.micro)
+        k, g = self.cfg.decision_ticks, self.cfg.gamma
+        block = np.zeros(self.sim.S)  # discounted reward of the held action
+        truncated = False
+        for i in range(k):
+            nxt, reward, truncated, _ = self.sim.step(actions)
+            self.env_steps += self.sim.S
+            self.episode_reward += reward
+            block += (g ** i) * reward
+            if truncated:
+                break
+        out = self.nstep.push(o.macro, o.micro, actions, block * self.cfg.reward_scale, nxt.macro, nxt.micro)
         if truncated:
             tail = self.nstep.flush(nxt.macro, nxt.micro)
             out = tail if out is None else Transitions.concat([out, tail])

@@ -60,19 +60,27 @@ def check_fits(net_cfg: NetConfig, sim_cfg: SimConfig, what: str) -> None:
 
 
 class GreedyPolicy:
-    """argmax_a Q_d per branch: the learned policy as `evaluate_policy` runs it."""
+    """argmax_a Q_d per branch, re-decided every `decision_ticks` ticks and held in between:
+    the learned policy as `evaluate_policy` runs it."""
 
-    def __init__(self, net: BDQNetwork, name: str = "learned") -> None:
+    def __init__(self, net: BDQNetwork, decision_ticks: int = 1, name: str = "learned") -> None:
         self.net = net.eval()
+        self.k = int(decision_ticks)
         self.name = name
 
     def reset(self, sim) -> None:
         check_fits(self.net.cfg, sim.cfg, f"policy {self.name!r}")
+        self.actions = None
+        self.t = 0
 
     @torch.no_grad()
     def act(self, sim, obs):
-        q = self.net(torch.from_numpy(np.ascontiguousarray(obs.macro)), torch.from_numpy(np.ascontiguousarray(obs.micro)))
-        return q.argmax(-1).numpy(), None
+        if self.actions is None or self.t % self.k == 0:
+            q = self.net(torch.from_numpy(np.ascontiguousarray(obs.macro)),
+                         torch.from_numpy(np.ascontiguousarray(obs.micro)))
+            self.actions = q.argmax(-1).numpy()
+        self.t += 1
+        return self.actions, None
 
 
 def load_policy(path: str | Path, sim_cfg: Optional[SimConfig] = None) -> GreedyPolicy:
@@ -88,7 +96,8 @@ def load_policy(path: str | Path, sim_cfg: Optional[SimConfig] = None) -> Greedy
         net.load_state_dict(ck["learner"]["net"])
     except (KeyError, RuntimeError) as e:
         raise CheckpointError(f"checkpoint {str(path)!r}: weights do not match its network config: {e}") from e
-    return GreedyPolicy(net, name=f"checkpoint:{Path(path).name}")
+    k = int(ck["config"].get("agent", {}).get("decision_ticks", 1))
+    return GreedyPolicy(net, decision_ticks=k, name=f"checkpoint:{Path(path).name}")
 
 
 def config_to_dict(obj) -> dict:

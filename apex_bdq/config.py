@@ -212,12 +212,15 @@ def sim_config_from_dict(d: dict) -> SimConfig:
 class AgentConfig:
     """BDQ + prioritized replay + exploration (the learning core)."""
 
-    gamma: float = 0.99
-    """Discount per tick (1 s): a ~100 s horizon covers the 60 s SLO settlement."""
-    n_step: int = 10
-    """n of the n-step return. Ape-X used 3 on Atari with 4-frame skips; here a capacity
-    decision pays off 60-120 ticks later (provisioning delay + SLO window), and each target
-    refresh carries value n ticks back, so n = 10."""
+    gamma: float = 0.995
+    """Discount per tick (1 s); per decision it is gamma^decision_ticks."""
+    decision_ticks: int = 10
+    """The agent decides every this many ticks and holds its action in between (Atari's
+    frame skip; HPA re-decides every 15 s). A capacity decision pays off 60-120 ticks later
+    (provisioning delay + SLO window): per-tick Q-values would differ by far less than their
+    noise (the action gap shrinks with the time step, Tallec et al., ICML 2019)."""
+    n_step: int = 3
+    """n of the n-step return, in decisions (Ape-X: 3)."""
     lr: float = 1e-4
     """Adam learning rate."""
     batch_size: int = 256
@@ -232,8 +235,8 @@ class AgentConfig:
     """Updates over which beta reaches 1."""
     learning_starts: int = 5_000
     """Transitions in replay before the first update."""
-    updates_per_tick: float = 1.0
-    """Learner updates per vectorised env tick (fractions accumulate)."""
+    updates_per_decision: float = 1.0
+    """Learner updates per vectorised decision (fractions accumulate)."""
     target_update: int = 250
     """Updates between hard copies of the online network into the target network."""
     reward_scale: float = 0.1
@@ -252,13 +255,15 @@ class AgentConfig:
     def __post_init__(self) -> None:
         _check(0 <= self.gamma <= 1, f"agent.gamma must be in [0, 1], got {self.gamma!r}")
         _check(self.n_step >= 1, f"agent.n_step must be >= 1, got {self.n_step!r}")
+        _check(self.decision_ticks >= 1, f"agent.decision_ticks must be >= 1, got {self.decision_ticks!r}")
         _check(self.lr > 0, f"agent.lr must be > 0, got {self.lr!r}")
         _check(self.batch_size >= 1, f"agent.batch_size must be >= 1, got {self.batch_size!r}")
         _check(self.replay_capacity >= self.batch_size,
                f"agent.replay_capacity={self.replay_capacity} is smaller than batch_size={self.batch_size}")
         _check(self.learning_starts >= self.batch_size,
                f"agent.learning_starts={self.learning_starts} must be >= batch_size={self.batch_size}")
-        _check(self.updates_per_tick > 0, f"agent.updates_per_tick must be > 0, got {self.updates_per_tick!r}")
+        _check(self.updates_per_decision > 0,
+               f"agent.updates_per_decision must be > 0, got {self.updates_per_decision!r}")
         _check(self.target_update >= 1, f"agent.target_update must be >= 1, got {self.target_update!r}")
         _check(self.reward_scale > 0, f"agent.reward_scale must be > 0, got {self.reward_scale!r}")
         _check(0 < self.eps_base <= 1, f"agent.eps_base must be in (0, 1], got {self.eps_base!r}")
@@ -322,14 +327,14 @@ class NetConfig:
 class TrainConfig:
     """Everything one training run needs; a checkpoint stores it whole."""
 
-    sim: SimConfig = field(default_factory=lambda: SimConfig(num_shards=32, seed=1))
+    sim: SimConfig = field(default_factory=lambda: SimConfig(num_shards=64, seed=1))
     net: Optional[NetConfig] = None
     """None: sized from `sim`."""
     agent: AgentConfig = field(default_factory=AgentConfig)
     minutes: float = 9.0
     """Wall-clock budget for collection and learning (evaluation comes after)."""
     max_env_ticks: Optional[int] = None
-    """Stop after this many vectorised ticks (None: only the time budget)."""
+    """Stop after this many simulator ticks (None: only the time budget)."""
     eval_every_s: float = 120.0
     """Seconds between evaluations on a slice of the held-out range during training."""
     eval_ticks: int = 600

@@ -36,8 +36,8 @@ PRESETS = {
     "smoke": TrainConfig(
         sim=SimConfig(num_shards=8, seed=1),
         agent=AgentConfig(batch_size=32, replay_capacity=4_000, learning_starts=200, target_update=50,
-                          beta_steps=500),
-        minutes=0.25, max_env_ticks=300, eval_every_s=1e9, eval_ticks=60, eval_shards=2, final_eval_ticks=120),
+                          beta_steps=500, decision_ticks=2),
+        minutes=0.25, max_env_ticks=150, eval_every_s=1e9, eval_ticks=60, eval_shards=2, final_eval_ticks=120),
 }
 
 
@@ -69,7 +69,7 @@ class LocalTrainer:
         # Replay: transitions with initial priorities from the rollout, sampled by the learner.
         self.replay = PrioritizedReplay(a.replay_capacity, _fields(cfg), device=device, alpha=a.alpha,
                                         beta0=a.beta0, beta_steps=a.beta_steps, seed=cfg.seed)
-        self.ticks = 0
+        self.decisions = 0
         self.update_credit = 0.0
         self.history: list[dict] = []  # learning curve: one row per evaluation
         self.last_loss = float("nan")
@@ -77,7 +77,7 @@ class LocalTrainer:
     # -- state ---------------------------------------------------------------------------
     def checkpoint(self, path: str | Path) -> None:
         save_checkpoint(path, config_to_dict(self.cfg), self.learner.state_dict(),
-                        {"ticks": self.ticks, "env_steps": self.rollout.env_steps, "updates": self.learner.updates,
+                        {"decisions": self.decisions, "env_steps": self.rollout.env_steps, "updates": self.learner.updates,
                          "history": self.history})
 
     def resume(self, path: str | Path) -> None:
@@ -88,18 +88,18 @@ class LocalTrainer:
                                   f"this run has {self.cfg.net}")
         self.learner.load_state_dict(ck["learner"])
         c = ck["counters"]
-        self.ticks, self.rollout.env_steps, self.history = c["ticks"], c["env_steps"], list(c["history"])
+        self.decisions, self.rollout.env_steps, self.history = c["decisions"], c["env_steps"], list(c["history"])
 
     # -- loop ----------------------------------------------------------------------------
     def train_tick(self) -> None:
         tr = self.rollout.step()
-        self.ticks += 1
+        self.decisions += 1
         if tr is not None:
             pr = self.rollout.priorities(tr)
             self.replay.add({k: torch.from_numpy(v) for k, v in tr.as_dict().items()}, torch.from_numpy(pr))
         if self.replay.size < self.cfg.agent.learning_starts:
             return
-        self.update_credit += self.cfg.agent.updates_per_tick
+        self.update_credit += self.cfg.agent.updates_per_decision
         while self.update_credit >= 1.0:
             self.update_credit -= 1.0
             s = self.replay.sample(self.cfg.agent.batch_size)
@@ -109,7 +109,8 @@ class LocalTrainer:
 
     def evaluate(self, ticks: Optional[int], shards: int) -> dict:
         net = self.learner.net
-        learned = evaluate_policy(GreedyPolicy(net), self.cfg.sim, shards=shards, ticks=ticks).metrics
+        learned = evaluate_policy(GreedyPolicy(net, self.cfg.agent.decision_ticks), self.cfg.sim, shards=shards,
+                                  ticks=ticks).metrics
         net.train()
         hpa = evaluate_policy(HPA(), self.cfg.sim, shards=shards, ticks=ticks).metrics
         return {"eval_reward": learned["reward"], "hpa_eval_reward": hpa["reward"],
@@ -130,7 +131,7 @@ class LocalTrainer:
         eval_r = float("nan")
         while True:
             now = time.perf_counter() - t0
-            if now >= budget or (cfg.max_env_ticks is not None and self.ticks >= cfg.max_env_ticks):
+            if now >= budget or (cfg.max_env_ticks is not None and self.rollout.env_steps >= cfg.max_env_ticks * cfg.sim.num_shards):
                 break
             self.train_tick()
             if now >= next_eval:

@@ -13,6 +13,7 @@ from apex_bdq.config import AgentConfig, ConfigError, NetConfig, SimConfig, Trai
 from apex_bdq.nstep import NStepAccumulator
 from launch import evaluate, train
 from learner.learner import Learner
+from apex_bdq.sim.platform import PlatformSim
 
 
 def test_nstep_returns_by_hand():
@@ -58,18 +59,31 @@ def test_learner_fits_a_fixed_batch_and_copies_the_target():
 
 
 def test_rollout_worker_ladder_transitions_and_priorities():
-    sim = SimConfig(num_shards=4, episode_s=10.0)
-    agent = AgentConfig(n_step=3)
+    sim = SimConfig(num_shards=4, episode_s=20.0)
+    agent = AgentConfig(n_step=3, decision_ticks=2, gamma=0.9, reward_scale=1.0)
     assert agent.epsilons(4)[0] == pytest.approx(0.4) and agent.epsilons(4)[-1] == pytest.approx(0.4 ** 8)
     net = Learner(NetConfig.for_sim(sim), agent).net
     w = RolloutWorker(sim, agent, net, seed=0)
+    ref = PlatformSim(sim.replace(seed=0))
+    ref.reset(seed=0)
     got = [w.step() for _ in range(10)]
     assert got[0] is None and got[1] is None and len(got[2]) == 4
-    # Episode end after 10 ticks: 8 full 3-step transitions per shard, plus the 2 tails.
+    # 20 ticks = 10 decisions of 2 ticks: 8 full 3-decision transitions per shard, plus 2 tails.
     assert sum(len(t) for t in got if t is not None) == 10 * 4
-    assert len(w.finished_rewards) == 4 and w.sim.t == 0
+    assert len(w.finished_rewards) == 4 and w.sim.t == 0 and w.env_steps == 20 * 4
+    # Discount per decision is gamma^2; a full transition spans 3 decisions = 6 ticks.
+    np.testing.assert_allclose(got[2].discount, 0.9 ** 6, rtol=1e-6)
     pr = w.priorities(got[5])
     assert pr.shape == (4,) and (pr >= 0).all() and np.isfinite(pr).all()
+    # The first transition's return is the per-tick discounted sum of its 6 ticks of reward,
+    # each decision's action held for two ticks: replay the same actions on an identical
+    # simulator (same seed, so the same arrivals).
+    rewards = []
+    for tr in got[2:5]:  # the transitions starting at decisions 0, 1, 2 carry their actions
+        for _ in range(2):
+            rewards.append(ref.step(tr.action.astype(np.int64))[1])
+    expect = sum(0.9 ** i * rewards[i] for i in range(6))
+    np.testing.assert_allclose(got[2].reward, expect, rtol=1e-5, atol=1e-5)
 
 
 def test_smoke_training_writes_json_checkpoint_and_evaluates(tmp_path, capsys):
@@ -89,7 +103,7 @@ def test_smoke_training_writes_json_checkpoint_and_evaluates(tmp_path, capsys):
     # Resume continues the counters.
     trainer = train.LocalTrainer(train.PRESETS["smoke"])
     trainer.resume(ck)
-    assert trainer.learner.updates == res["updates"] and trainer.ticks > 0
+    assert trainer.learner.updates == res["updates"] and trainer.decisions > 0
 
 
 def test_checkpoint_errors_name_the_problem(tmp_path):
