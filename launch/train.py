@@ -24,14 +24,18 @@ import numpy as np
 import torch
 
 from apex_bdq.checkpoint import (CheckpointError, GreedyPolicy, config_to_dict, load_checkpoint, save_checkpoint)
-from apex_bdq.config import AgentConfig, ConfigError, SimConfig, TraceConfig, TrainConfig, train_config_from_dict
+from apex_bdq.config import (AgentConfig, ConfigError, NetConfig, SimConfig, TraceConfig, TrainConfig,
+                             train_config_from_dict)
 from apex_bdq.evaluation import evaluate_policy
 from apex_bdq.sim.baselines import HPA
 from apex_bdq.sim.trace import TraceError
 
 PRESETS = {
     # The README's main job: ~9 minutes of learning on 2 cores, then the full evaluation.
-    "default": TrainConfig(),
+    # A compact network: on 2 CPU cores the learner's update rate, not data, is the limit.
+    "default": TrainConfig(net=NetConfig.for_sim(SimConfig(), macro_hidden=64, micro_channels=16, z_dim=128,
+                                                 head_hidden=64),
+                           agent=AgentConfig(lr=3e-4)),
     # For tests: seconds, not minutes.
     "smoke": TrainConfig(
         sim=SimConfig(num_shards=8, seed=1),
