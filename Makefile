@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench setup clean
+.PHONY: run baselines test bench setup clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -15,13 +15,18 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/python -m launch.evaluate --policy all
+	$(BIN)/python -m launch.train --local --json runs/train.json --curve runs/train_curve.png
+
+baselines: $(STAMP)
+	$(BIN)/python -m launch.evaluate --policy all --plot runs/baselines.png
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)
-	$(BIN)/python -m launch.bench sim
+	$(BIN)/python -m launch.bench sim --json runs/bench_sim.json
+	$(BIN)/python -m pip install -q -e '.[bench]'
+	$(BIN)/python -m launch.bench replay --json runs/bench_replay.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info
