@@ -194,7 +194,7 @@ def bench_replay(repeats: int, seconds: float, capacity: int, batch: int, chunk:
     res["bytes_per_transition"] = per
     new_p = torch.rand(batch) + 0.01
 
-    def ours_step():
+    def ours_step(rb=rb):
         s = rb.sample(batch)
         rb.update_priorities(s.indices, s.generations, new_p)
 

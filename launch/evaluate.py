@@ -11,7 +11,6 @@ Without `--trace` the bundled Azure Functions 2019 trace is used.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -23,6 +22,7 @@ from apex_bdq.config import ConfigError, SimConfig, TraceConfig
 from apex_bdq.evaluation import METRIC_KEYS, EvalResult, evaluate_policy
 from apex_bdq.sim.baselines import BASELINES, make_baseline
 from apex_bdq.sim.trace import TraceError
+from launch._io import save_figure, write_json
 
 SHARED_TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
 # Per-class rate columns for the shared traces that have them; the rest use their first
@@ -55,18 +55,6 @@ def _fmt(v) -> str:
     if isinstance(v, float) and math.isnan(v):
         return "n/a"
     return f"{v:.4f}" if abs(v) < 100 else f"{v:,.0f}"
-
-
-def _json_safe(x):
-    """NaN (e.g. no accounting window settled in a short run) becomes null: valid JSON."""
-    if isinstance(x, dict):
-        return {k: _json_safe(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_json_safe(v) for v in x]
-    if isinstance(x, (float, int)) and not isinstance(x, bool):
-        x = float(x) if not isinstance(x, int) else x
-        return None if isinstance(x, float) and math.isnan(x) else x
-    return float(x) if hasattr(x, "__float__") else x
 
 
 def print_table(title: str, results: dict[str, dict]) -> None:
@@ -113,10 +101,7 @@ def plot(results: dict[str, EvalResult], path: str, title: str, tick_s: float) -
     ax2.set_ylabel("p99 latency, ms (arrival-weighted)")
     ax2.set_xlabel("minutes into the evaluation range (shard 0)")
     ax2.legend(fontsize=8, ncol=5)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -170,9 +155,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             plot(results, plot_path, label, cfg.tick_s)
             print(f"wrote {plot_path}")
     if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         payload = next(iter(all_results.values())) if len(all_results) == 1 else all_results
-        Path(a.json).write_text(json.dumps(_json_safe(payload), indent=2))
+        write_json(a.json, payload)
         print(f"wrote {a.json}")
     return 0
 

@@ -13,14 +13,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import math
 import sys
 import time
 from pathlib import Path
 from typing import Optional
 
-import numpy as np
 import torch
 
 from apex_bdq.checkpoint import (CheckpointError, GreedyPolicy, config_to_dict, load_checkpoint, save_checkpoint)
@@ -29,6 +26,7 @@ from apex_bdq.config import (AgentConfig, ConfigError, NetConfig, SimConfig, Tra
 from apex_bdq.evaluation import evaluate_policy
 from apex_bdq.sim.baselines import HPA
 from apex_bdq.sim.trace import TraceError
+from launch._io import save_figure, write_json
 
 PRESETS = {
     # The README's main job: ~9 minutes of learning on 2 cores, then the full evaluation.
@@ -185,10 +183,7 @@ def plot_curve(history: list[dict], path: str) -> None:
     ax.set_ylabel("mean reward per tick, evaluation range")
     ax.legend()
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -230,8 +225,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"{name:8} {m['reward']:>10.4f} {m['slo_violation_rate']:>20.4f} {m['cost']:>8.3f} {m['p99_ms']:>10,.0f}")
     print(f"checkpoint: {a.checkpoint}")
     if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(res, indent=2, default=lambda x: None if x != x else float(x)))
+        write_json(a.json, res)
         print(f"wrote {a.json}")
     if a.curve:
         plot_curve(res["history"], a.curve)

@@ -2,7 +2,6 @@
 
 import math
 
-import numpy as np
 import pytest
 
 from apex_bdq.config import SimConfig, TraceConfig
@@ -67,7 +66,6 @@ def test_hpa_waits_out_the_downscale_window(step_trace):
     caps, _ = run(hpa, sim, 400 + 30 + 270)  # the drop reaches metrics at ~415 s
     before = caps[399]
     assert min(caps[400:400 + 300]) == before  # 300 s stabilisation: no scale-down yet
-    caps2, _ = caps, None
     more = []
     for _ in range(120):
         a, cap = hpa.act(sim, None)
