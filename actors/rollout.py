@@ -64,7 +64,9 @@ class RolloutWorker:
 
     @torch.no_grad()
     def priorities(self, tr: Transitions) -> np.ndarray:
-        """Initial |TD| priorities from this worker's network (the same rule as the learner)."""
+        """Initial |TD| priorities from this worker's network copy. Like Ape-X actors it has no
+        target network, so it bootstraps with its own max; the aggregation over branches
+        (mean or sum of |TD|) is the learner's rule."""
         dev = next(self.net.parameters()).device
         q = self.net(torch.as_tensor(tr.macro, device=dev), torch.as_tensor(tr.micro, device=dev))
         qn = self.net(torch.as_tensor(tr.next_macro, device=dev), torch.as_tensor(tr.next_micro, device=dev))

@@ -8,6 +8,7 @@ that the network fits the simulator it will act in, and names any mismatch.
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -28,8 +29,14 @@ def save_checkpoint(path: str | Path, config: dict, learner_state: dict, counter
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    torch.save({"format": FORMAT, "config": config, "learner": learner_state, "counters": counters}, tmp)
-    tmp.replace(path)  # atomic: a crash mid-write never leaves a torn checkpoint
+    try:
+        with open(tmp, "wb") as f:
+            torch.save({"format": FORMAT, "config": config, "learner": learner_state, "counters": counters}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(path)  # atomic: a crash mid-write never leaves a torn checkpoint
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def load_checkpoint(path: str | Path) -> dict:
@@ -37,7 +44,7 @@ def load_checkpoint(path: str | Path) -> dict:
     if not p.is_file():
         raise CheckpointError(f"checkpoint {str(p)!r} does not exist")
     try:
-        ck = torch.load(p, map_location="cpu", weights_only=False)
+        ck = torch.load(p, map_location="cpu", weights_only=True)  # tensors and plain data only: no code runs
     except Exception as e:  # truncated / not a torch file
         raise CheckpointError(f"checkpoint {str(p)!r} is corrupt or not a checkpoint: {type(e).__name__}: {e}") from e
     if not isinstance(ck, dict) or ck.get("format") != FORMAT:
@@ -94,7 +101,7 @@ def load_policy(path: str | Path, sim_cfg: Optional[SimConfig] = None) -> Greedy
     net = BDQNetwork(net_cfg)
     try:
         net.load_state_dict(ck["learner"]["net"])
-    except (KeyError, RuntimeError) as e:
+    except (KeyError, TypeError, RuntimeError) as e:
         raise CheckpointError(f"checkpoint {str(path)!r}: weights do not match its network config: {e}") from e
     k = int(ck["config"].get("agent", {}).get("decision_ticks", 1))
     return GreedyPolicy(net, decision_ticks=k, name=f"checkpoint:{Path(path).name}")

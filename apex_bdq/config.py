@@ -332,7 +332,8 @@ class TrainConfig:
     """None: sized from `sim`."""
     agent: AgentConfig = field(default_factory=AgentConfig)
     minutes: float = 9.0
-    """Wall-clock budget for collection and learning (evaluation comes after)."""
+    """Wall-clock budget for collection, learning and the periodic evaluations (the final
+    evaluation comes after)."""
     max_env_ticks: Optional[int] = None
     """Stop after this many simulator ticks (None: only the time budget)."""
     eval_every_s: float = 120.0
@@ -348,6 +349,11 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _check(self.minutes > 0, f"train.minutes must be > 0, got {self.minutes!r}")
         _check(self.eval_ticks >= 1 and self.eval_shards >= 1, "train.eval_ticks and eval_shards must be >= 1")
+        _check(self.sim.episode_ticks % self.agent.decision_ticks == 0,
+               f"train: episode length {self.sim.episode_ticks} ticks is not a multiple of "
+               f"agent.decision_ticks={self.agent.decision_ticks} (the last held block would be cut short)")
+        _check(self.sim.sub_actions <= 256, f"train: sub_actions={self.sim.sub_actions} does not fit the uint8 "
+                                            "action field of replay (at most 256)")
         if self.net is None:
             object.__setattr__(self, "net", NetConfig.for_sim(self.sim))
         want = NetConfig.for_sim(self.sim)

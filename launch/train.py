@@ -74,6 +74,7 @@ class LocalTrainer:
         self.decisions = 0
         self.update_credit = 0.0
         self.history: list[dict] = []  # learning curve: one row per evaluation
+        self.t_offset = 0.0  # training time before a resume, so the curve keeps going forward
         self.last_loss = float("nan")
 
     # -- state ---------------------------------------------------------------------------
@@ -83,14 +84,24 @@ class LocalTrainer:
                          "history": self.history})
 
     def resume(self, path: str | Path) -> None:
+        """Warm start: weights, target, optimiser (its learning rate included), counters and
+        learning curve come back; the replay refills from fresh rollouts and the time budget
+        starts again (replay and simulator state are not in checkpoints)."""
         ck = load_checkpoint(path)
-        saved = train_config_from_dict(ck["config"])
-        if dataclasses.asdict(saved.net) != dataclasses.asdict(self.cfg.net):
-            raise CheckpointError(f"checkpoint {str(path)!r} was trained with network {saved.net}, "
-                                  f"this run has {self.cfg.net}")
-        self.learner.load_state_dict(ck["learner"])
-        c = ck["counters"]
-        self.decisions, self.rollout.env_steps, self.history = c["decisions"], c["env_steps"], list(c["history"])
+        try:
+            saved = train_config_from_dict(ck["config"])
+            if dataclasses.asdict(saved.net) != dataclasses.asdict(self.cfg.net):
+                raise CheckpointError(f"checkpoint {str(path)!r} was trained with network {saved.net}, "
+                                      f"this run has {self.cfg.net}")
+            self.learner.load_state_dict(ck["learner"])
+            c = ck["counters"]
+            self.decisions, self.rollout.env_steps = int(c["decisions"]), int(c["env_steps"])
+            self.history = list(c["history"])
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:
+            if isinstance(e, CheckpointError):
+                raise
+            raise CheckpointError(f"checkpoint {str(path)!r} cannot be resumed: {type(e).__name__}: {e}") from e
+        self.t_offset = float(self.history[-1]["t_s"]) if self.history else 0.0
 
     # -- loop ----------------------------------------------------------------------------
     def train_tick(self) -> None:
@@ -139,7 +150,7 @@ class LocalTrainer:
             if now >= next_eval:
                 ev = self.evaluate(cfg.eval_ticks, cfg.eval_shards)
                 eval_r = ev["eval_reward"]
-                self.history.append({"t_s": now, "env_steps": self.rollout.env_steps, "updates": self.learner.updates,
+                self.history.append({"t_s": self.t_offset + now, "env_steps": self.rollout.env_steps, "updates": self.learner.updates,
                                      "eval_reward": ev["eval_reward"], "hpa_eval_reward": ev["hpa_eval_reward"],
                                      "slo_violation_rate": ev["slo_violation_rate"]})
                 next_eval = (time.perf_counter() - t0) + cfg.eval_every_s
@@ -158,7 +169,7 @@ class LocalTrainer:
             bar.close()
         train_s = time.perf_counter() - t0
         final = self.evaluate(cfg.final_eval_ticks, cfg.eval_shards)
-        self.history.append({"t_s": train_s, "env_steps": self.rollout.env_steps, "updates": self.learner.updates,
+        self.history.append({"t_s": self.t_offset + train_s, "env_steps": self.rollout.env_steps, "updates": self.learner.updates,
                              "eval_reward": final["eval_reward"], "hpa_eval_reward": final["hpa_eval_reward"],
                              "slo_violation_rate": final["slo_violation_rate"]})
         if checkpoint:

@@ -66,6 +66,9 @@ void tree_update(std::vector<torch::Tensor> levels, torch::Tensor idx, torch::Te
   const int64_t L = (int64_t)levels.size();
   std::vector<double*> lv(L);
   for (int64_t l = 0; l < L; ++l) lv[l] = levels[l].data_ptr<double>();
+  const int64_t n0 = levels[0].size(0);
+  TORCH_CHECK(values.size(0) == M, "tree_update: ", M, " indices but ", values.size(0), " values");
+  for (int64_t m = 0; m < M; ++m) TORCH_CHECK(ix[m] >= 0 && ix[m] < n0, "tree_update: leaf ", ix[m], " out of range");
   for (int64_t m = 0; m < M; ++m) lv[0][ix[m]] = v[m];
   for (int64_t m = 0; m < M; ++m) {
     int64_t node = ix[m];
@@ -102,7 +105,7 @@ def kernels():
         if _module is None and not _failed:
             try:
                 from torch.utils.cpp_extension import load_inline
-                _module = load_inline(name="apex_bdq_sumtree_v4", cpp_sources=[_SRC], extra_cflags=["-O3"],
+                _module = load_inline(name="apex_bdq_sumtree_v5", cpp_sources=[_SRC], extra_cflags=["-O3"],
                                       verbose=False)
             except Exception as e:  # no compiler, no ninja, ...: fall back to tensor ops
                 log.warning("sum tree C++ kernels unavailable, using tensor operations on CPU: %s", e)

@@ -85,14 +85,11 @@ class PrioritizedReplay:
         self._max_p = torch.ones((), dtype=torch.float64, device=self.device)  # largest priority seen
         self.rng = torch.Generator(device=self.device)
         self.rng.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
-        self._arange_cache: dict[int, torch.Tensor] = {}
+        self._arange_all = torch.arange(self.capacity, device=self.device)
 
     # -- writer --------------------------------------------------------------------------
     def _arange(self, m: int) -> torch.Tensor:
-        a = self._arange_cache.get(m)
-        if a is None:
-            a = self._arange_cache[m] = torch.arange(m, device=self.device)
-        return a
+        return self._arange_all[:m]  # m <= capacity
 
     def _check_batch(self, batch: Mapping[str, torch.Tensor]) -> int:
         missing = set(self.fields) - set(batch)
@@ -105,6 +102,8 @@ class PrioritizedReplay:
             t = batch[k]
             if not isinstance(t, torch.Tensor):
                 raise ReplayError(f"field {k!r} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dtype != spec.dtype:
+                raise ReplayError(f"field {k!r} must be {spec.dtype}, got {t.dtype}")
             if tuple(t.shape[1:]) != spec.shape:
                 raise ReplayError(f"field {k!r} must be [M, {', '.join(map(str, spec.shape))}], got {list(t.shape)}")
             if m is None:
@@ -173,6 +172,8 @@ class PrioritizedReplay:
         if batch_size < 1:
             raise ReplayError(f"batch_size must be >= 1, got {batch_size}")
         total = self.tree.total
+        if not bool(total > 0):
+            raise ReplayError("cannot sample: every priority in the replay is zero (use eps > 0)")
         u = torch.rand(batch_size, dtype=torch.float64, device=self.device, generator=self.rng) * total
         idx = self.tree.find(u)
         leaf = self.tree.get(idx)

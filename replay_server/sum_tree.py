@@ -1,6 +1,7 @@
 """A sum tree over priorities held in torch tensors on one device, with batched operations.
 
-The tree has fan-out F (32 by default): 1,048,576 leaves need 4 levels above them, so a
+The tree has fan-out F (32 by default; the replay uses 16): 1,048,576 leaves need 5 levels
+at F = 16 (4 at F = 32), so a
 batch of B samples or B priority updates costs ~4 rounds of a few tensor operations on
 [B, F] blocks — no Python loop over items. On CUDA that is the code that runs; on CPU the
 same walk over the same tensors runs as one C++ call per batch (`_cpu_kernels.py`), since
@@ -54,6 +55,9 @@ class SumTree:
         """Set leaves `idx` [M] to `values` [M] (>= 0) and refresh their ancestors.
 
         Within one call a leaf given twice takes one of its values (the sums stay exact)."""
+        if idx.shape != values.shape or idx.dim() != 1:
+            raise ValueError(f"sum tree update needs equal 1-D idx and values, got {list(idx.shape)} "
+                             f"and {list(values.shape)}")
         if idx.numel() == 0:
             return
         values = values.to(torch.float64)

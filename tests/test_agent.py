@@ -130,6 +130,8 @@ def test_checkpoint_errors_name_the_problem(tmp_path):
 
 
 def test_train_config_checks():
+    with pytest.raises(ConfigError, match="not a multiple of agent.decision_ticks=7"):
+        TrainConfig(agent=AgentConfig(decision_ticks=7))
     with pytest.raises(ConfigError, match="learning_starts=10 must be >= batch_size=32"):
         AgentConfig(batch_size=32, learning_starts=10)
     with pytest.raises(ConfigError, match="num_branches=5 does not match"):

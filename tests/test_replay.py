@@ -144,6 +144,8 @@ def test_bad_input_is_refused_with_the_reason():
         rb.add(rows(2), torch.tensor([1.0, float("nan")]))
     with pytest.raises(ReplayError, match="finite and >= 0, got -1"):
         rb.add(rows(2), torch.tensor([1.0, -1.0]))
+    with pytest.raises(ReplayError, match="field 'action' must be torch.uint8, got torch.int64"):
+        rb.add({**rows(2), "action": torch.tensor([[300, -1], [0, 0]])})
     assert rb.size == 0  # nothing half-written
     rb.add(rows(4), torch.ones(4))
     s = rb.sample(2)
@@ -207,3 +209,12 @@ def test_cpp_kernels_agree_with_the_tensor_path():
     torch.testing.assert_close(a.find(u), b.find(u))
     from replay_server._cpu_kernels import kernels
     assert kernels() is not None, "the C++ kernels should build here (g++ and ninja are present)"
+
+
+def test_all_zero_priorities_refuse_to_sample():
+    rb = PrioritizedReplay(4, FIELDS, eps=0.0, seed=0)
+    rb.add(rows(4), torch.zeros(4))
+    with pytest.raises(ReplayError, match="every priority in the replay is zero"):
+        rb.sample(2)
+    with pytest.raises(ValueError, match="equal 1-D idx and values"):
+        rb.tree.update(torch.tensor([0, 1]), torch.ones(3, dtype=torch.float64))
