@@ -152,7 +152,8 @@ class LocalTrainer:
                 eval_r = ev["eval_reward"]
                 self.history.append({"t_s": self.t_offset + now, "env_steps": self.rollout.env_steps, "updates": self.learner.updates,
                                      "eval_reward": ev["eval_reward"], "hpa_eval_reward": ev["hpa_eval_reward"],
-                                     "slo_violation_rate": ev["slo_violation_rate"]})
+                                     "slo_violation_rate": ev["slo_violation_rate"],
+                                     "hpa_slo_violation_rate": ev["hpa_slo_violation_rate"]})
                 next_eval = (time.perf_counter() - t0) + cfg.eval_every_s
                 if checkpoint:
                     self.checkpoint(checkpoint)
@@ -171,7 +172,8 @@ class LocalTrainer:
         final = self.evaluate(cfg.final_eval_ticks, cfg.eval_shards)
         self.history.append({"t_s": self.t_offset + train_s, "env_steps": self.rollout.env_steps, "updates": self.learner.updates,
                              "eval_reward": final["eval_reward"], "hpa_eval_reward": final["hpa_eval_reward"],
-                             "slo_violation_rate": final["slo_violation_rate"]})
+                             "slo_violation_rate": final["slo_violation_rate"],
+                             "hpa_slo_violation_rate": final["hpa_slo_violation_rate"]})
         if checkpoint:
             self.checkpoint(checkpoint)
         return {**{k: final[k] for k in ("eval_reward", "hpa_eval_reward", "slo_violation_rate",
@@ -183,17 +185,24 @@ class LocalTrainer:
 
 
 def plot_curve(history: list[dict], path: str) -> None:
+    """Reward and SLO violation rate over training; periodic points are slices of the
+    held-out range, the last one is the whole range (so the HPA line steps there)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
     t = [h["t_s"] / 60 for h in history]
-    fig, ax = plt.subplots(figsize=(8, 4))
-    ax.plot(t, [h["eval_reward"] for h in history], "o-", label="BDQ (greedy)")
-    ax.plot(t, [h["hpa_eval_reward"] for h in history], "s--", label="Kubernetes HPA")
-    ax.set_xlabel("training time, minutes (2-core machine)")
-    ax.set_ylabel("mean reward per tick, evaluation range")
-    ax.legend()
-    ax.grid(alpha=0.3)
+    for ax, key, hkey, label in ((ax1, "eval_reward", "hpa_eval_reward", "mean reward per tick"),
+                                 (ax2, "slo_violation_rate", "hpa_slo_violation_rate", "SLO violation rate")):
+        ax.plot(t[:-1], [h[key] for h in history[:-1]], "o-", color="C0", label="BDQ (greedy), periodic: 8 phases x eval_ticks")
+        ax.plot(t[-1:], [history[-1][key]], "o", color="C0", ms=10, mfc="none", label="BDQ, whole range")
+        if all(hkey in h for h in history):
+            ax.plot(t[:-1], [h[hkey] for h in history[:-1]], "s--", color="C1", label="HPA, periodic")
+            ax.plot(t[-1:], [history[-1][hkey]], "s", color="C1", ms=10, mfc="none", label="HPA, whole range")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    ax1.legend(fontsize=8)
+    ax2.set_xlabel("training time, minutes (2-core machine)")
     save_figure(fig, path)
 
 
