@@ -281,7 +281,7 @@ class AgentConfig:
 class NetConfig:
     """Sizes of the BDQ network."""
 
-    macro_features: int = 17
+    macro_features: int = 16
     """Fm: macro observation width."""
     num_classes: int = 4
     """K: request classes in the micro observation."""

@@ -45,10 +45,10 @@ def test_learner_fits_a_fixed_batch_and_copies_the_target():
     agent = AgentConfig(batch_size=16, replay_capacity=64, learning_starts=16, target_update=5, lr=1e-3)
     ln = Learner(cfg, agent, seed=0)
     g = torch.Generator().manual_seed(0)
-    data = {"macro": torch.randn(16, 17, generator=g), "micro": torch.randn(16, 4, 8, 6, generator=g),
+    data = {"macro": torch.randn(16, 16, generator=g), "micro": torch.randn(16, 4, 8, 6, generator=g),
             "action": torch.randint(0, 5, (16, 4), generator=g).to(torch.uint8),
             "reward": torch.randn(16, generator=g), "discount": torch.zeros(16),
-            "next_macro": torch.randn(16, 17, generator=g), "next_micro": torch.randn(16, 4, 8, 6, generator=g)}
+            "next_macro": torch.randn(16, 16, generator=g), "next_micro": torch.randn(16, 4, 8, 6, generator=g)}
     losses = [ln.update(data, torch.ones(16))["loss"] for _ in range(60)]
     assert losses[-1] < 0.2 * losses[0]
     for p, q in zip(ln.net.parameters(), ln.target.parameters()):

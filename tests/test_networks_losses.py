@@ -62,7 +62,7 @@ def test_bad_observation_shapes_are_named():
     cfg = NetConfig()
     net = BDQNetwork(cfg)
     macro, micro = obs(cfg)
-    with pytest.raises(ValueError, match=r"macro observation must be \[B, 17\]"):
+    with pytest.raises(ValueError, match=r"macro observation must be \[B, 16\]"):
         net(macro[:, :3], micro)
     with pytest.raises(ValueError, match=r"micro observation must be \[B=3, 4, 8, 6\]"):
         net(macro, micro[:, :, :4])

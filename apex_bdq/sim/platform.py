@@ -35,8 +35,7 @@ from apex_bdq.sim.trace import BUNDLED_COLUMNS, BUNDLED_TRACE, TickRates, load_t
 
 # Feature layout of the observations (names are part of the interface, for plots and tests).
 MACRO_MONITORED = ("load", "utilisation", "window_utilisation", "window_cost", "window_slo_violation",
-                   "window_drop", "backlog", "peak_load")
-PEAK_MEMORY_S = 300.0  # the recent-peak signal decays with this time constant (HPA's 5-min window)
+                   "window_drop", "backlog")
 MACRO_CONTROL = ("tod_sin", "tod_cos", "active", "pending", "target", "priority_level",
                  "admission_level", "speed_level", "window_phase")
 MACRO_FEATURES = MACRO_MONITORED + MACRO_CONTROL
@@ -138,7 +137,6 @@ class PlatformSim:
         # Monitored per-tick signals are averaged over the monitoring resolution (an EWMA of
         # that time constant), then reported `lag` ticks late.
         self.mon_alpha = np.float32(1.0 / max(1, self.lag))
-        self.peak_decay = np.float32(np.exp(-self.dt / PEAK_MEMORY_S))
         self.W = cfg.window_ticks
         self.rng = np.random.default_rng(cfg.seed)
         self.reset(seed=cfg.seed)
@@ -198,7 +196,6 @@ class PlatformSim:
         mon = self.mon_ring[0]
         mon[:, 0] = load.sum(1) / self.mean_load
         mon[:, 1] = self.cfg.initial_utilisation
-        mon[:, 7] = mon[:, 0]  # recent peak starts at the current load
         self.mon_ring[:] = mon
         self.mon_class = np.empty((self.lag + 1, S, K), dtype=f32)  # monitored per-class demand, Erlangs
         self.mon_class[:] = load
@@ -382,7 +379,6 @@ class PlatformSim:
         self.mon_class[self.mon_ptr] = prev_k + a_m * (offered_k - prev_k)
         mon[:, 0] = (self.mon_class[self.mon_ptr] @ ones) * (1.0 / self.mean_load)
         mon[:, 1] = prev[:, 1] + a_m * (util - prev[:, 1])
-        mon[:, 7] = np.maximum(mon[:, 0], prev[:, 7] * self.peak_decay)  # recent peak of the load
         mon[:, 6] = prev[:, 6] + a_m * (((backlog * self.inv_mu) @ ones) * (1.0 / self.mean_load) - prev[:, 6])
         self.hist_ptr = h = (self.hist_ptr + 1) % self.H
         frame = self.frame  # [S, K, Fu]
