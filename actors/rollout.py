@@ -17,7 +17,7 @@ from apex_bdq.config import AgentConfig, SimConfig
 from apex_bdq.nstep import NStepAccumulator, Transitions
 from apex_bdq.networks import BDQNetwork
 from apex_bdq.sim.platform import PlatformSim
-from learner.learner import act_epsilon_greedy
+from learner.learner import Explorer
 
 
 class RolloutWorker:
@@ -30,6 +30,8 @@ class RolloutWorker:
         if self.eps.shape != (sim_cfg.num_shards,):
             raise ValueError(f"epsilons must be one per shard ({sim_cfg.num_shards}), got {self.eps.shape}")
         self.rng = np.random.default_rng(seed + 1)
+        self.explorer = Explorer(sim_cfg.num_shards, sim_cfg.num_branches, self.eps, self.rng,
+                                 agent_cfg.explore_hold_mu, agent_cfg.explore_max_hold)
         # Discount per decision: gamma^k for a decision held k ticks.
         self.nstep = NStepAccumulator(sim_cfg.num_shards, agent_cfg.n_step, agent_cfg.gamma ** agent_cfg.decision_ticks)
         self.obs = self.sim.reset(seed=seed)
@@ -41,7 +43,7 @@ class RolloutWorker:
         """One decision of every shard: act, hold the action for `decision_ticks` ticks,
         and return the n-step transitions (over decisions) completed by it (or None)."""
         o = self.obs
-        actions, _ = act_epsilon_greedy(self.net, o.macro, o.micro, self.eps, self.rng)
+        actions, _ = self.explorer.act(self.net, o.macro, o.micro)
         k, g = self.cfg.decision_ticks, self.cfg.gamma
         block = np.zeros(self.sim.S)  # discounted reward of the held action
         truncated = False
@@ -59,6 +61,7 @@ class RolloutWorker:
             self.finished_rewards.extend((self.episode_reward / self.sim.t).tolist())
             self.episode_reward[:] = 0
             nxt = self.sim.reset()
+            self.explorer.reset()
         self.obs = nxt
         return out
 

@@ -249,6 +249,12 @@ class AgentConfig:
     eps_base: float = 0.4
     """Ape-X exploration ladder: shard i explores with eps_base^(1 + eps_alpha i/(S-1))."""
     eps_alpha: float = 7.0
+    explore_hold_mu: float = 0.0
+    """Temporally-extended exploration (ez-greedy, Dabney et al., ICLR 2021): a branch that
+    starts exploring holds its random sub-action for n decisions, n ~ Zipf(mu) capped at
+    `explore_max_hold`. 0 = plain per-decision epsilon-greedy. A capacity change pays off only
+    if held past the provisioning delay, which one-decision dithering never does."""
+    explore_max_hold: int = 12
     priority_rule: str = "mean"
     """Priority = mean (or sum) over branches of |TD|, the same rule in actors and learner."""
 
@@ -267,6 +273,9 @@ class AgentConfig:
         _check(self.target_update >= 1, f"agent.target_update must be >= 1, got {self.target_update!r}")
         _check(self.reward_scale > 0, f"agent.reward_scale must be > 0, got {self.reward_scale!r}")
         _check(0 < self.eps_base <= 1, f"agent.eps_base must be in (0, 1], got {self.eps_base!r}")
+        _check(self.explore_hold_mu == 0 or self.explore_hold_mu > 1,
+               f"agent.explore_hold_mu must be 0 (off) or > 1 (a Zipf exponent), got {self.explore_hold_mu!r}")
+        _check(self.explore_max_hold >= 1, f"agent.explore_max_hold must be >= 1, got {self.explore_max_hold!r}")
         _check(self.priority_rule in ("mean", "sum"),
                f"agent.priority_rule must be 'mean' or 'sum', got {self.priority_rule!r}")
 
@@ -368,3 +377,47 @@ def train_config_from_dict(d: dict) -> TrainConfig:
     net = NetConfig(**d.pop("net"))
     agent = AgentConfig(**d.pop("agent"))
     return TrainConfig(sim=sim, net=net, agent=agent, **d)
+
+
+def apply_overrides(cfg: TrainConfig, items: list[str]) -> TrainConfig:
+    """Apply `section.key=value` overrides (sections: sim, agent, net, or none for the top
+    level), parsing each value as the type of the field it replaces. Unknown keys and values
+    that do not parse raise ConfigError naming them."""
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not KEY=VALUE (e.g. agent.lr=3e-4)")
+        key, raw = item.split("=", 1)
+        parts = key.strip().split(".")
+        if len(parts) == 1:
+            section, name = None, parts[0]
+        elif len(parts) == 2 and parts[0] in ("sim", "agent", "net"):
+            section, name = parts
+        else:
+            raise ConfigError(f"override key {key!r}: use NAME or sim.NAME, agent.NAME, net.NAME")
+        target = cfg if section is None else getattr(cfg, section)
+        names = {f.name for f in dataclasses.fields(target)}
+        if name not in names:
+            raise ConfigError(f"override {key!r}: {type(target).__name__} has no field {name!r} "
+                              f"(fields: {', '.join(sorted(names))})")
+        old = getattr(target, name)
+        try:
+            if isinstance(old, bool):
+                if raw.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError(raw)
+                val = raw.lower() in ("true", "1")
+            elif isinstance(old, int):
+                val = int(raw)
+            elif isinstance(old, float):
+                val = float(raw)
+            elif isinstance(old, str) or old is None:
+                val = None if raw.lower() == "none" and old is None else raw
+            else:
+                raise ConfigError(f"override {key!r}: field of type {type(old).__name__} cannot be set from the "
+                                  "command line")
+        except ValueError:
+            raise ConfigError(f"override {key!r}: {raw!r} is not a valid {type(old).__name__}") from None
+        if section is None:
+            cfg = dataclasses.replace(cfg, **{name: val})
+        else:
+            cfg = dataclasses.replace(cfg, **{section: dataclasses.replace(target, **{name: val})})
+    return cfg

@@ -1,6 +1,8 @@
 """Benchmarks: print a table, write JSON.
 
     python -m launch.bench sim [--json PATH] [--repeats 5] [--seconds 1.0]
+    python -m launch.bench replay [--json PATH]
+    python -m launch.bench apex [--json PATH] [--seconds 60] [--actors 1,2,4,8] [--plot PNG]
 
 `sim`: shard-steps per second of the vectorised PlatformSim at S = 1, 64, 1024 on one core,
 side by side with a plain per-shard loop of the same dynamics (S single-shard simulators
@@ -12,6 +14,7 @@ more with observations returned as views (the zero-copy path a trainer uses). Ea
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -265,22 +268,177 @@ def bench_replay(repeats: int, seconds: float, capacity: int, batch: int, chunk:
     return res
 
 
+def _rllib_env_steps_per_s(num_env_runners: int, envs_per_runner: int, seconds: float) -> float:
+    """RLlib (same Ray) sampling the project's gymnasium env with its env runners."""
+    import gymnasium as gym
+    from ray.rllib.algorithms.ppo import PPOConfig
+    from ray.tune.registry import register_env
+
+    import apex_bdq.sim.gym_env  # noqa: F401  (registers apex_bdq/Platform-v0)
+    register_env("apex_bdq_platform", lambda cfg: gym.make("apex_bdq/Platform-v0"))
+    cfg = (PPOConfig().environment("apex_bdq_platform")
+           .env_runners(num_env_runners=num_env_runners, num_envs_per_env_runner=envs_per_runner,
+                        num_cpus_per_env_runner=1, rollout_fragment_length=200)
+           .learners(num_learners=0))
+    algo = cfg.build_algo()
+    try:
+        group = algo.env_runner_group
+
+        def sample_all() -> int:
+            eps = group.foreach_env_runner(lambda r: r.sample(num_timesteps=200 * envs_per_runner),
+                                           local_env_runner=False)
+            return sum(sum(len(e) for e in batch) for batch in eps)
+
+        sample_all()  # warm-up
+        t0, steps = time.perf_counter(), 0
+        while time.perf_counter() - t0 < seconds:
+            steps += sample_all()
+        return steps / (time.perf_counter() - t0)
+    finally:
+        algo.stop()
+
+
+def _route_ms(batch: int, repeats: int = 50) -> dict:
+    """One shard actor, a batch sampled (a) in place from the learner's side of the shared
+    memory and (b) through the shard's RPC and the object store."""
+    import ray
+
+    from apex_bdq.config import TrainConfig
+    from replay_server.replay import PrioritizedReplay
+    from replay_server.replay_actor import ShardConfig, TransitionBatch, remote_shard_class, transition_fields
+    cfg = TrainConfig()
+    fields = transition_fields(cfg.net)
+    sc = ShardConfig(capacity=100_000, fields=fields)
+    shard = remote_shard_class(num_cpus=0)(0, sc)
+    rng = np.random.default_rng(0)
+    m = 4096
+    arr = {k: (rng.random((m, *f.shape)) * 4).astype(torch_np(f.dtype)) for k, f in fields.items()}
+    for _ in range(10):
+        ray.get(shard.add.remote(TransitionBatch(**arr, priorities=rng.random(m).astype(np.float32))))
+    spec = ray.get(shard.shared_spec.remote())
+    rb = PrioritizedReplay.attach(spec, sc.capacity, fields)
+    t_local, t_rpc = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        s = rb.sample(batch)
+        rb.update_priorities(s.indices, s.generations, s.weights.double())
+        t_local.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        out = ray.get(shard.sample.remote(batch))
+        ray.get(shard.update_priorities.remote(out["indices"], out["generations"], out["weights"]))
+        t_rpc.append(time.perf_counter() - t0)
+    ray.get(shard.close.remote())
+    ray.kill(shard)
+    return {"shared_memory_ms": statistics.median(t_local) * 1e3, "object_store_ms": statistics.median(t_rpc) * 1e3}
+
+
+def torch_np(dtype):
+    import torch
+    return torch.empty((), dtype=dtype).numpy().dtype
+
+
+def bench_apex(actor_counts: list[int], seconds: float, shards_per_actor: int, rllib: bool, plot: str | None) -> dict:
+    """Env steps/s, transitions ingested/s and learner updates/s of the Ape-X run for each
+    actor count, the learner's share of time waiting for data, the two data routes, and
+    RLlib's env runners sampling the same env at the same CPU count."""
+    import ray
+
+    from launch.distributed import ApexRun, ClusterSpec, local_ray_init
+    from launch.train import PRESETS
+    cfg = PRESETS["default"]
+    cfg = dataclasses.replace(cfg, eval_every_s=1e9,
+                              agent=dataclasses.replace(cfg.agent, learning_starts=2_000, replay_capacity=100_000))
+    cpus = os.cpu_count() or 1
+    res: dict = {"machine": f"{platform.machine()}, {cpus} CPUs", "seconds_per_point": seconds,
+                 "shards_per_actor": shards_per_actor, "env_steps_per_s": {}, "transitions_per_s": {},
+                 "learner_updates_per_s": {}, "learner_wait_share_by_actors": {}}
+    spec0 = ClusterSpec(num_actors=max(actor_counts), num_learners=1)
+    local_ray_init(spec0, None, include_dashboard=False, log_to_driver=False)
+    try:
+        res["route"] = _route_ms(512)
+        for m in actor_counts:
+            spec = ClusterSpec(num_actors=m, num_replay_shards=1, num_learners=1, shards_per_actor=shards_per_actor,
+                               actor_cpus=min(1.0, cpus / (m + 1)), learner_cpus=1, checkpoint_every_s=1e9)
+            run = ApexRun(cfg, spec)
+            marks = []
+
+            def watch(st, marks=marks):
+                if "env_steps" in st:
+                    marks.append((st["t_s"], st["env_steps"], st["inserted"], (st.get("learner") or {})))
+            try:
+                run.run(minutes=seconds / 60.0, on_progress=watch)
+            finally:
+                run.shutdown()
+            # Rates over the second half of the run (start-up and replay filling excluded).
+            half = [x for x in marks if x[0] >= marks[-1][0] / 2] if marks else []
+            if len(half) >= 2:
+                (t0, e0, i0, _), (t1, e1, i1, l1) = half[0], half[-1]
+                res["env_steps_per_s"][m] = (e1 - e0) / (t1 - t0)
+                res["transitions_per_s"][m] = (i1 - i0) / (t1 - t0)
+                res["learner_updates_per_s"][m] = l1.get("updates_per_s", float("nan"))
+                res["learner_wait_share_by_actors"][m] = l1.get("learner_wait_share", float("nan"))
+            print(f"{m} actors: env {res['env_steps_per_s'].get(m, float('nan')):,.0f}/s, "
+                  f"ingest {res['transitions_per_s'].get(m, float('nan')):,.0f}/s, "
+                  f"updates {res['learner_updates_per_s'].get(m, float('nan')):.1f}/s, "
+                  f"learner waiting {res['learner_wait_share_by_actors'].get(m, float('nan')):.1%}", flush=True)
+        best = max(res["env_steps_per_s"], key=res["env_steps_per_s"].get)
+        res["learner_wait_share"] = res["learner_wait_share_by_actors"].get(best)
+        ray.shutdown()
+        if rllib:
+            local_ray_init(spec0, None, include_dashboard=False, log_to_driver=False)
+            res["rllib_env_steps_per_s"] = _rllib_env_steps_per_s(max(1, cpus - 1 if cpus > 2 else 1),
+                                                                  shards_per_actor, seconds / 2)
+            res["rllib_env_runners"] = max(1, cpus - 1 if cpus > 2 else 1)
+            res["ratio_vs_rllib"] = res["env_steps_per_s"][best] / res["rllib_env_steps_per_s"]
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+    if plot:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        from launch._io import save_figure
+        fig, ax = plt.subplots(figsize=(6, 4))
+        xs = sorted(res["env_steps_per_s"])
+        ax.plot(xs, [res["env_steps_per_s"][x] for x in xs], "o-", label="apex-bdq env steps/s")
+        ax.plot(xs, [res["transitions_per_s"][x] * cfg.agent.decision_ticks for x in xs], "s--",
+                label="ingested transitions/s x decision_ticks")
+        if "rllib_env_steps_per_s" in res:
+            ax.axhline(res["rllib_env_steps_per_s"], color="C3", ls=":", label="RLlib env runners")
+        ax.set_xlabel("rollout actors")
+        ax.set_ylabel("per second")
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        ax.set_title(res["machine"])
+        save_figure(fig, plot)
+        res["plot"] = plot
+    return res
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m launch.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["sim", "replay"], help="which benchmark")
+    ap.add_argument("what", choices=["sim", "replay", "apex"], help="which benchmark")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--seconds", type=float, default=1.0, help="seconds per timed run")
     ap.add_argument("--capacity", type=int, default=1_000_000, help="replay: capacity")
     ap.add_argument("--batch", type=int, default=512, help="replay: sample / update batch")
     ap.add_argument("--chunk", type=int, default=4096, help="replay: insert chunk")
-    ap.add_argument("--no-peers", action="store_true", help="replay: skip cpprb and TorchRL")
+    ap.add_argument("--no-peers", action="store_true", help="replay: skip cpprb and TorchRL (apex: skip RLlib)")
+    ap.add_argument("--actors", default="1,2,4,8", help="apex: actor counts")
+    ap.add_argument("--shards-per-actor", type=int, default=16, help="apex: simulated shards per actor")
+    ap.add_argument("--plot", help="apex: PNG of the scaling curve")
     a = ap.parse_args(argv)
     if a.repeats < 1 or a.seconds <= 0:
         ap.error("--repeats must be >= 1 and --seconds > 0")
     if a.what == "sim":
         res = bench_sim(a.repeats, a.seconds)
+    elif a.what == "apex":
+        res = bench_apex([int(x) for x in a.actors.split(",")], max(a.seconds, 10.0), a.shards_per_actor,
+                         not a.no_peers, a.plot)
     else:
         res = bench_replay(a.repeats, a.seconds, a.capacity, a.batch, a.chunk, not a.no_peers)
     if a.json:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 from pathlib import Path
@@ -22,7 +23,7 @@ import torch
 
 from apex_bdq.checkpoint import (CheckpointError, GreedyPolicy, config_to_dict, load_checkpoint, save_checkpoint)
 from apex_bdq.config import (AgentConfig, ConfigError, NetConfig, SimConfig, TraceConfig, TrainConfig,
-                             train_config_from_dict)
+                             apply_overrides, train_config_from_dict)
 from apex_bdq.evaluation import evaluate_policy
 from apex_bdq.sim.baselines import HPA
 from apex_bdq.sim.trace import TraceError
@@ -51,6 +52,20 @@ def _fields(cfg: TrainConfig):
             "action": FieldSpec((n.num_branches,), torch.uint8), "reward": FieldSpec((), torch.float32),
             "discount": FieldSpec((), torch.float32), "next_macro": FieldSpec((n.macro_features,), torch.float32),
             "next_micro": FieldSpec(micro, torch.float32)}
+
+
+def evaluate_against_hpa(net, cfg: TrainConfig, ticks: Optional[int], shards: int, hpa_cache: dict) -> dict:
+    """Greedy `net` and Kubernetes HPA on the held-out range (HPA, deterministic for a config,
+    is evaluated once per setting and cached in `hpa_cache`)."""
+    learned = evaluate_policy(GreedyPolicy(net, cfg.agent.decision_ticks), cfg.sim, shards=shards, ticks=ticks).metrics
+    net.train()
+    key = (ticks, shards)
+    if key not in hpa_cache:
+        hpa_cache[key] = evaluate_policy(HPA(), cfg.sim, shards=shards, ticks=ticks).metrics
+    hpa = hpa_cache[key]
+    return {"eval_reward": learned["reward"], "hpa_eval_reward": hpa["reward"],
+            "slo_violation_rate": learned["slo_violation_rate"],
+            "hpa_slo_violation_rate": hpa["slo_violation_rate"], "learned": learned, "hpa": hpa}
 
 
 class LocalTrainer:
@@ -122,17 +137,7 @@ class LocalTrainer:
             self.last_loss = out["loss"]
 
     def evaluate(self, ticks: Optional[int], shards: int) -> dict:
-        net = self.learner.net
-        learned = evaluate_policy(GreedyPolicy(net, self.cfg.agent.decision_ticks), self.cfg.sim, shards=shards,
-                                  ticks=ticks).metrics
-        net.train()
-        key = (ticks, shards)  # HPA is deterministic for a config: evaluate it once per setting
-        if key not in self._hpa_cache:
-            self._hpa_cache[key] = evaluate_policy(HPA(), self.cfg.sim, shards=shards, ticks=ticks).metrics
-        hpa = self._hpa_cache[key]
-        return {"eval_reward": learned["reward"], "hpa_eval_reward": hpa["reward"],
-                "slo_violation_rate": learned["slo_violation_rate"],
-                "hpa_slo_violation_rate": hpa["slo_violation_rate"], "learned": learned, "hpa": hpa}
+        return evaluate_against_hpa(self.learner.net, self.cfg, ticks, shards, self._hpa_cache)
 
     def run(self, progress: bool = True, checkpoint: Optional[str] = None) -> dict:
         cfg = self.cfg
@@ -210,10 +215,85 @@ def plot_curve(history: list[dict], path: str) -> None:
     save_figure(fig, path)
 
 
+def _print_final(res: dict, checkpoint: Optional[str]) -> None:
+    print(f"{'':8} {'reward':>10} {'slo_violation_rate':>20} {'cost':>8} {'p99_ms':>10}")
+    for name in ("learned", "hpa"):
+        m = res[name]
+        print(f"{name:8} {m['reward']:>10.4f} {m['slo_violation_rate']:>20.4f} {m['cost']:>8.3f} {m['p99_ms']:>10,.0f}")
+    if checkpoint:
+        print(f"checkpoint: {checkpoint}")
+
+
+def run_distributed(cfg: TrainConfig, a, spec) -> dict:
+    """The Ape-X run on Ray (launch/distributed.py) with progress and the final evaluation."""
+    from launch.distributed import ApexRun, annotate_checkpoint, copy_checkpoint, local_ray_init
+    resume = load_checkpoint(a.resume) if a.resume else None
+    if resume is not None:
+        saved = train_config_from_dict(resume["config"])
+        if dataclasses.asdict(saved.net) != dataclasses.asdict(cfg.net):
+            raise CheckpointError(f"checkpoint {a.resume!r} was trained with network {saved.net}, this run has {cfg.net}")
+    local_ray_init(spec, a.address, include_dashboard=a.dashboard, log_to_driver=not a.quiet)
+    run = ApexRun(cfg, spec, resume=resume)
+    hpa_cache: dict = {}
+    bar = None
+    if not a.quiet:
+        from tqdm import tqdm
+        bar = tqdm(total=int(cfg.minutes * 60), unit="s", file=sys.stderr, dynamic_ncols=True,
+                   bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} s {postfix}")
+    shown = [0, float("nan")]
+
+    def progress(st: dict) -> None:
+        if "eval" in st:
+            shown[1] = st["eval"]["eval_reward"]
+            hpa = st["eval"]["hpa_eval_reward"]
+        else:
+            hpa = hpa_cache.get((cfg.eval_ticks, cfg.eval_shards), {}).get("reward", float("nan"))
+        if bar is None or "env_steps" not in st:
+            return
+        lr = st.get("learner") or {}
+        bar.set_postfix_str(f"env {st.get('env_steps_per_s', 0):,.0f}/s replay {st['replay_size']:,} "
+                            f"upd {lr.get('updates_per_s', 0):.1f}/s td {lr.get('td_loss', float('nan')):.3f} "
+                            f"lag {st['weight_lag']} eval {shown[1]:.3f} (hpa {hpa:.3f})")
+        t = int(st["t_s"])
+        bar.update(max(0, min(t, bar.total) - shown[0]))
+        shown[0] = min(t, bar.total)
+
+    try:
+        out = run.run(on_progress=progress,
+                      evaluate=lambda net, ticks: evaluate_against_hpa(net, cfg, ticks, cfg.eval_shards, hpa_cache))
+        net, version = run.current_policy_net()
+    finally:
+        if bar is not None:
+            bar.close()
+        run.shutdown()
+    final = evaluate_against_hpa(net, cfg, cfg.final_eval_ticks, cfg.eval_shards, hpa_cache)
+    st = out["status"]
+    lr = st.get("learner") or {}
+    history = run.history + [{"t_s": run.t_offset + out["train_seconds"], "env_steps": st["env_steps"],
+                              "updates": lr.get("updates", 0), "eval_reward": final["eval_reward"],
+                              "hpa_eval_reward": final["hpa_eval_reward"],
+                              "slo_violation_rate": final["slo_violation_rate"],
+                              "hpa_slo_violation_rate": final["hpa_slo_violation_rate"]}]
+    ck = copy_checkpoint(out["result"], a.checkpoint) if a.checkpoint else None
+    if ck is not None:
+        annotate_checkpoint(ck, {"env_steps": st["env_steps"], "history": history})
+    train_s = out["train_seconds"]
+    return {**{k: final[k] for k in ("eval_reward", "hpa_eval_reward", "slo_violation_rate", "hpa_slo_violation_rate")},
+            "learned": final["learned"], "hpa": final["hpa"], "train_seconds": train_s,
+            "env_steps": st["env_steps"], "updates": lr.get("updates", 0),
+            "env_steps_per_s": st["env_steps"] / max(train_s, 1e-9), "updates_per_s": lr.get("updates_per_s", 0.0),
+            "learner_wait_share": lr.get("learner_wait_share"), "data_route": lr.get("route"),
+            "weight_version": version, "weight_lag": st["weight_lag"], "replay_size": st["replay_size"],
+            "transitions_inserted": st["inserted"], "transitions_sampled": st["sampled"],
+            "num_actors": spec.num_actors, "num_replay_shards": spec.num_replay_shards,
+            "num_learners": spec.num_learners, "backend": spec.backend,
+            "checkpoint": str(ck) if ck else None, "history": history}
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m launch.train", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--local", action="store_true", help="train in this process (no Ray)")
+    ap.add_argument("--local", action="store_true", help="train in this process without Ray (debugging)")
     ap.add_argument("--preset", default="default", choices=sorted(PRESETS))
     ap.add_argument("--minutes", type=float, help="override the preset's training time")
     ap.add_argument("--trace", help="CSV trace (default: the bundled one)")
@@ -222,10 +302,24 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--checkpoint", default="runs/train/checkpoint.pt", help="where to save the checkpoint")
     ap.add_argument("--resume", help="continue from this checkpoint")
     ap.add_argument("--curve", help="write the learning-curve PNG here")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config field, e.g. --set agent.lr=3e-4 --set sim.num_shards=32 (repeatable)")
     ap.add_argument("--quiet", action="store_true")
+    g = ap.add_argument_group("distributed (Ray) options")
+    g.add_argument("--address", help="an existing Ray cluster ('auto' inside `ray job submit`); default: start a "
+                                     "local one")
+    g.add_argument("--num-actors", type=int, default=2, help="rollout actors")
+    g.add_argument("--shards-per-actor", type=int, help="simulated shards per actor (default: the preset's "
+                                                        "sim.num_shards split between the actors)")
+    g.add_argument("--num-replay-shards", type=int, default=1)
+    g.add_argument("--num-learners", type=int, default=1, help="Ray Train workers")
+    g.add_argument("--backend", default="ddp", choices=("ddp", "deepspeed", "accelerate"))
+    g.add_argument("--use-gpu", action="store_true", help="learners (and replay storage) on GPUs")
+    g.add_argument("--samples-per-insert", type=float, help="rate limiter ratio (default: off, Ape-X style)")
+    g.add_argument("--max-restarts", type=int, default=0, help="restarts of actors, shards and learners")
+    g.add_argument("--storage-path", help="Ray Train storage (checkpoints); default: a temp dir")
+    g.add_argument("--dashboard", action="store_true", help="start the Ray dashboard with the local cluster")
     a = ap.parse_args(argv)
-    if not a.local:
-        ap.error("only --local exists so far (the Ray version arrives with the distributed issue)")
     cfg = PRESETS[a.preset]
     try:
         if a.minutes is not None:
@@ -234,20 +328,32 @@ def main(argv: Optional[list[str]] = None) -> int:
             cfg = dataclasses.replace(cfg, seed=a.seed, sim=cfg.sim.replace(seed=a.seed))
         if a.trace:
             cfg = dataclasses.replace(cfg, sim=cfg.sim.replace(trace=TraceConfig(path=a.trace)))
-        trainer = LocalTrainer(cfg)
-        if a.resume:
-            trainer.resume(a.resume)
+        cfg = apply_overrides(cfg, a.set)
+        if a.local:
+            trainer = LocalTrainer(cfg)
+            if a.resume:
+                trainer.resume(a.resume)
+        else:
+            from launch.distributed import ClusterSpec
+            spec = ClusterSpec(num_actors=a.num_actors, num_replay_shards=a.num_replay_shards,
+                               num_learners=a.num_learners, backend=a.backend, use_gpu=a.use_gpu,
+                               shards_per_actor=a.shards_per_actor, samples_per_insert=a.samples_per_insert,
+                               replay_gpus=0.25 if a.use_gpu else 0.0, max_restarts=a.max_restarts,
+                               storage_path=os.path.abspath(a.storage_path) if a.storage_path else None)
     except (ConfigError, TraceError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    res = trainer.run(progress=not a.quiet, checkpoint=a.checkpoint)
+    if a.local:
+        res = trainer.run(progress=not a.quiet, checkpoint=a.checkpoint)
+    else:
+        try:
+            res = run_distributed(cfg, a, spec)
+        except (ConfigError, TraceError, CheckpointError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     print(f"\nafter {res['train_seconds']:.0f} s: {res['env_steps']:,} env steps ({res['env_steps_per_s']:,.0f}/s), "
           f"{res['updates']:,} updates ({res['updates_per_s']:.1f}/s)")
-    print(f"{'':8} {'reward':>10} {'slo_violation_rate':>20} {'cost':>8} {'p99_ms':>10}")
-    for name in ("learned", "hpa"):
-        m = res[name]
-        print(f"{name:8} {m['reward']:>10.4f} {m['slo_violation_rate']:>20.4f} {m['cost']:>8.3f} {m['p99_ms']:>10,.0f}")
-    print(f"checkpoint: {a.checkpoint}")
+    _print_final(res, a.checkpoint)
     if a.json:
         write_json(a.json, res)
         print(f"wrote {a.json}")

@@ -71,3 +71,48 @@ def act_epsilon_greedy(net: BDQNetwork, macro: np.ndarray, micro: np.ndarray, ep
     S, D, n = q.shape
     explore = rng.random((S, D)) < eps[:, None]
     return np.where(explore, rng.integers(0, n, size=(S, D)), greedy), q
+
+
+class Explorer:
+    """Per-branch epsilon-greedy over S shards, optionally temporally extended (ez-greedy).
+
+    With hold_mu = 0 this is `act_epsilon_greedy`. With hold_mu > 1, a branch that starts
+    exploring (probability eps of its shard) draws a sub-action uniformly and keeps it for
+    n ~ Zipf(hold_mu) decisions (capped at max_hold), whatever the greedy choice is meanwhile
+    (Dabney, Ostrovski & Barreto, "Temporally-Extended epsilon-Greedy Exploration", 2021).
+    """
+
+    def __init__(self, num_shards: int, num_branches: int, eps: np.ndarray, rng: np.random.Generator,
+                 hold_mu: float = 0.0, max_hold: int = 12) -> None:
+        self.eps = np.asarray(eps, dtype=np.float64)
+        if self.eps.shape != (num_shards,):
+            raise ValueError(f"epsilons must be one per shard ({num_shards}), got {self.eps.shape}")
+        self.rng = rng
+        self.hold_mu, self.max_hold = float(hold_mu), int(max_hold)
+        self.left = np.zeros((num_shards, num_branches), dtype=np.int64)  # decisions still held
+        self.held = np.zeros((num_shards, num_branches), dtype=np.int64)
+
+    def reset(self, shards: np.ndarray | None = None) -> None:
+        """Forget held exploration (all shards, or a boolean mask of them)."""
+        if shards is None:
+            self.left[:] = 0
+        else:
+            self.left[shards] = 0
+
+    @torch.no_grad()
+    def act(self, net: BDQNetwork, macro: np.ndarray, micro: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Returns (actions [S, D] int64, q [S, D, n] float32)."""
+        if self.hold_mu <= 0:
+            return act_epsilon_greedy(net, macro, micro, self.eps, self.rng)
+        dev = next(net.parameters()).device
+        q = net(torch.as_tensor(macro, device=dev), torch.as_tensor(micro, device=dev)).cpu().numpy()
+        S, D, n = q.shape
+        holding = self.left > 0
+        start = ~holding & (self.rng.random((S, D)) < self.eps[:, None])
+        if start.any():
+            k = int(start.sum())
+            self.held[start] = self.rng.integers(0, n, size=k)
+            self.left[start] = np.minimum(self.rng.zipf(self.hold_mu, size=k), self.max_hold)
+        explore = self.left > 0
+        self.left[explore] -= 1
+        return np.where(explore, self.held, q.argmax(-1)), q

@@ -14,12 +14,16 @@ Every operation is batched: no Python loop over transitions.
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import TYPE_CHECKING, Mapping, Optional
 
 import torch
 
 from replay_server.sum_tree import SumTree
+
+if TYPE_CHECKING:
+    from replay_server.shared import SharedArena
 
 
 _PACKABLE = (torch.float32, torch.bool, torch.uint8, torch.int8, torch.int16)
@@ -47,7 +51,10 @@ class SampledBatch:
 class PrioritizedReplay:
     def __init__(self, capacity: int, fields: Mapping[str, FieldSpec], device: torch.device | str = "cpu",
                  alpha: float = 0.6, beta0: float = 0.4, beta_steps: int = 100_000, eps: float = 1e-6,
-                 fanout: int = 16, seed: Optional[int] = None) -> None:
+                 fanout: int = 16, seed: Optional[int] = None, shared: Optional["SharedArena"] = None) -> None:
+        """shared: allocate every tensor from this arena (`replay_server/shared.py`): a fresh
+        one makes this replay shareable (hand `shared_spec()` to another process on the node);
+        an attached one makes this object a view of that replay, operating on it in place."""
         if capacity < 1:
             raise ReplayError(f"replay capacity must be >= 1, got {capacity}")
         if not 0 <= alpha <= 1 or not 0 <= beta0 <= 1:
@@ -55,7 +62,7 @@ class PrioritizedReplay:
         if not fields:
             raise ReplayError("replay needs at least one field")
         self.capacity = int(capacity)
-        self.device = torch.device(device)
+        self.device = torch.device(device) if shared is None else shared.device
         self.fields = dict(fields)
         self.alpha, self.beta0, self.beta_steps, self.eps = alpha, beta0, max(1, beta_steps), eps
         # Fields that float32 holds exactly (float32, bool, 8/16-bit ints) share one packed
@@ -68,24 +75,73 @@ class PrioritizedReplay:
                 width = int(torch.Size(f.shape).numel())
                 self.columns[k] = (col, col + width)
                 col += width
-        self.packed = torch.zeros((self.capacity, col), dtype=torch.float32, device=self.device)
+        plan = [("packed", (self.capacity, col), torch.float32)]
+        plan += [(f"field.{k}", (self.capacity, *f.shape), f.dtype) for k, f in self.fields.items()
+                 if k not in self.columns]
+        plan += [("generation", (self.capacity,), torch.long), ("meta", (4,), torch.long),
+                 ("max_priority", (), torch.float64)]
+        plan += [(f"tree.{i}", (n,), torch.float64) for i, n in enumerate(SumTree.level_sizes(self.capacity, fanout))]
+        self.shared = shared
+        if shared is None:
+            t = {name: torch.zeros(shape, dtype=dt, device=self.device) for name, shape, dt in plan}
+            self.lock = threading.RLock()  # the learner samples from a prefetch thread
+        else:
+            t = shared.allocate(plan)
+            self.lock = shared.lock
+        fresh = shared is None or not shared.attached
+        self.packed = t["packed"]
         self.storage = {}
         for k, f in self.fields.items():
             if k in self.columns:
                 a, b = self.columns[k]
                 self.storage[k] = self.packed[:, a:b].view(self.capacity, *f.shape)
             else:
-                self.storage[k] = torch.zeros((self.capacity, *f.shape), dtype=f.dtype, device=self.device)
-        self.generation = torch.full((self.capacity,), -1, dtype=torch.long, device=self.device)
-        self.tree = SumTree(self.capacity, self.device, fanout)
-        self.next_slot = 0
-        self.size = 0
-        self.writes = 0  # transitions ever written (the next generation number)
-        self.samples = 0  # sample calls (drives beta)
-        self._max_p = torch.ones((), dtype=torch.float64, device=self.device)  # largest priority seen
+                self.storage[k] = t[f"field.{k}"]
+        self.generation = t["generation"]
+        # Counters live in a tensor so that an attached process sees them: next slot, size,
+        # transitions ever written (the next generation number), transitions ever sampled.
+        self._meta = t["meta"]
+        self._max_p = t["max_priority"]  # largest priority seen
+        if fresh:
+            self.generation.fill_(-1)
+            self._max_p.fill_(1.0)
+        self.tree = SumTree(self.capacity, self.device, fanout,
+                            levels=[t[f"tree.{i}"] for i in range(len(SumTree.level_sizes(self.capacity, fanout)))])
+        self.samples = 0  # this process's sample calls (drive its beta)
         self.rng = torch.Generator(device=self.device)
         self.rng.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
         self._arange_all = torch.arange(self.capacity, device=self.device)
+
+    # -- counters (shared with attached processes) ----------------------------------------
+    @property
+    def next_slot(self) -> int:
+        return int(self._meta[0])
+
+    @property
+    def size(self) -> int:
+        return int(self._meta[1])
+
+    @property
+    def writes(self) -> int:
+        """Transitions ever written (inserted)."""
+        return int(self._meta[2])
+
+    @property
+    def sampled(self) -> int:
+        """Transitions ever sampled, by every process using this replay."""
+        return int(self._meta[3])
+
+    def shared_spec(self, node_id: Optional[str] = None):
+        """The handle another process on this node attaches with (shareable replays only)."""
+        if self.shared is None:
+            raise ReplayError("this replay was not created with a SharedArena; it cannot be attached to")
+        return self.shared.spec(node_id)
+
+    @classmethod
+    def attach(cls, spec, capacity: int, fields: Mapping[str, FieldSpec], **kwargs) -> "PrioritizedReplay":
+        """A view of the shareable replay described by `spec` (same capacity and fields)."""
+        from replay_server.shared import SharedArena
+        return cls(capacity, fields, shared=SharedArena.attach(spec), **kwargs)
 
     # -- writer --------------------------------------------------------------------------
     def _arange(self, m: int) -> torch.Tensor:
@@ -129,36 +185,42 @@ class PrioritizedReplay:
         m = self._check_batch(batch)
         if priorities is not None and priorities.shape != (m,):
             raise ReplayError(f"priorities must be [M={m}], got {list(priorities.shape)}")
+        if priorities is not None:
+            self._leaf_values(priorities)  # validate before anything is written
         if m == 0:
             empty = torch.empty(0, dtype=torch.long, device=self.device)
             return empty, empty
+        with self.lock:
+            return self._add(batch, priorities, m)
+
+    def _add(self, batch, priorities, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        next_slot, writes = self.next_slot, self.writes
         keep = min(m, self.capacity)  # a batch larger than the ring keeps its newest rows
         src = slice(m - keep, m)
-        slots = (self.next_slot + self._arange(keep)) % self.capacity
+        slots = (next_slot + self._arange(keep)) % self.capacity
         # The ring range is one or two contiguous runs: plain slice copies, no index scatter.
-        first = min(keep, self.capacity - self.next_slot)
-        runs = [(slice(self.next_slot, self.next_slot + first), slice(m - keep, m - keep + first))]
+        first = min(keep, self.capacity - next_slot)
+        runs = [(slice(next_slot, next_slot + first), slice(m - keep, m - keep + first))]
         if first < keep:
             runs.append((slice(0, keep - first), slice(m - keep + first, m)))
         for k, t in batch.items():
             dst = self.storage[k]
             for d, s_ in runs:
                 dst[d] = t[s_].to(self.device, dst.dtype, non_blocking=True)
-        gens = self.writes + (m - keep) + self._arange(keep)
+        gens = writes + (m - keep) + self._arange(keep)
         self.generation[slots] = gens
         if priorities is None:
             leaf = ((self._max_p + self.eps) ** self.alpha).expand(keep)
         else:
             pr = priorities[src]
             leaf = self._leaf_values(pr)
-            self._max_p = torch.maximum(self._max_p, pr.max().to(self.device, torch.float64))
-        start = self.next_slot
-        self.tree.update_range(start, leaf[:first])
+            torch.maximum(self._max_p, pr.max().to(self.device, torch.float64), out=self._max_p)
+        self.tree.update_range(next_slot, leaf[:first])
         if first < keep:
             self.tree.update_range(0, leaf[first:])
-        self.writes += m
-        self.next_slot = (self.next_slot + keep) % self.capacity
-        self.size = min(self.capacity, self.size + keep)
+        self._meta[0] = (next_slot + keep) % self.capacity
+        self._meta[1] = min(self.capacity, self.size + keep)
+        self._meta[2] = writes + m
         return slots, gens
 
     # -- sampler -------------------------------------------------------------------------
@@ -167,10 +229,15 @@ class PrioritizedReplay:
         return self.beta0 + (1.0 - self.beta0) * min(1.0, self.samples / self.beta_steps)
 
     def sample(self, batch_size: int, beta: Optional[float] = None) -> SampledBatch:
-        if self.size == 0:
-            raise ReplayError("cannot sample from an empty replay")
         if batch_size < 1:
             raise ReplayError(f"batch_size must be >= 1, got {batch_size}")
+        with self.lock:
+            return self._sample(batch_size, beta)
+
+    def _sample(self, batch_size: int, beta: Optional[float]) -> SampledBatch:
+        size = self.size
+        if size == 0:
+            raise ReplayError("cannot sample from an empty replay")
         total = self.tree.total
         if not bool(total > 0):
             raise ReplayError("cannot sample: every priority in the replay is zero (use eps > 0)")
@@ -184,9 +251,10 @@ class PrioritizedReplay:
             leaf = self.tree.get(idx)
         p = leaf / total  # [B] sampling probabilities
         b = self.beta if beta is None else beta
-        w = (self.size * p) ** (-b)
+        w = (size * p) ** (-b)
         w = (w / w.max()).to(torch.float32)
         self.samples += 1
+        self._meta[3] += batch_size
         rows = self.packed.index_select(0, idx)  # [B, columns]: one gather for the packed fields
         data = {}
         for k, f in self.fields.items():
@@ -211,6 +279,10 @@ class PrioritizedReplay:
         if not bool(((idx >= 0) & (idx < self.capacity)).all()):
             raise ReplayError(f"indices must be in [0, {self.capacity}), got {int(idx.min())}..{int(idx.max())}")
         leaf = self._leaf_values(priorities)
+        with self.lock:
+            return self._update(idx, generations, priorities, leaf)
+
+    def _update(self, idx, generations, priorities, leaf) -> int:
         fresh = self.generation[idx] == generations.to(self.device)
         pr = priorities.to(self.device)
         n = idx.numel()
@@ -219,17 +291,22 @@ class PrioritizedReplay:
             n = idx.numel()
         if n:
             self.tree.update(idx, leaf)
-            self._max_p = torch.maximum(self._max_p, pr.max().to(torch.float64))  # no host sync
+            torch.maximum(self._max_p, pr.max().to(torch.float64), out=self._max_p)  # no host sync
         return n
 
     # -- state ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
+        with self.lock:
+            return self._state_dict()
+
+    def _state_dict(self) -> dict:
         return {
             "capacity": self.capacity, "fields": {k: (f.shape, str(f.dtype)) for k, f in self.fields.items()},
             "storage": {k: t[: self.size].clone() if self.size < self.capacity else t.clone()
                         for k, t in self.storage.items()},
             "generation": self.generation.clone(), "leaves": self.tree.leaves.clone(),
             "next_slot": self.next_slot, "size": self.size, "writes": self.writes, "samples": self.samples,
+            "sampled": self.sampled,
             "max_priority": float(self._max_p), "alpha": self.alpha, "rng": self.rng.get_state(),
         }
 
@@ -241,12 +318,16 @@ class PrioritizedReplay:
                               f"this replay has capacity {self.capacity} with fields {want}")
         if state.get("alpha") != self.alpha:
             raise ReplayError(f"replay state was written with alpha={state.get('alpha')}, this replay has {self.alpha}")
+        with self.lock:
+            self._load(state)
+
+    def _load(self, state: dict) -> None:
         n = state["size"]
         for k, t in state["storage"].items():
             self.storage[k][: t.shape[0]].copy_(t.to(self.device))
         self.generation.copy_(state["generation"].to(self.device))
         self.tree.set_all(state["leaves"].to(self.device))
-        self.next_slot, self.size, self.writes = state["next_slot"], n, state["writes"]
+        self._meta.copy_(torch.tensor([state["next_slot"], n, state["writes"], state.get("sampled", 0)]))
         self.samples = state["samples"]
         self._max_p.fill_(state["max_priority"])
         self.rng.set_state(state["rng"])

@@ -15,12 +15,14 @@ updates do not drift; every parent is recomputed from its children, never patche
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 
 class SumTree:
     def __init__(self, capacity: int, device: torch.device | str = "cpu", fanout: int = 32,
-                 use_cpp: bool = True) -> None:
+                 use_cpp: bool = True, levels: Optional[list[torch.Tensor]] = None) -> None:
         if capacity < 1:
             raise ValueError(f"sum tree capacity must be >= 1, got {capacity}")
         if fanout < 2:
@@ -28,16 +30,27 @@ class SumTree:
         self.capacity = int(capacity)
         self.fanout = F = int(fanout)
         self.device = torch.device(device)
+        sizes = self.level_sizes(capacity, F)
+        if levels is None:
+            levels = [torch.zeros(s, dtype=torch.float64, device=self.device) for s in sizes]
+        elif [tuple(t.shape) for t in levels] != [(s,) for s in sizes] or any(t.dtype != torch.float64 for t in levels):
+            raise ValueError(f"sum tree levels must be float64 of sizes {sizes}")
+        self.levels = list(levels)  # given levels (e.g. shared memory) are used in place
+        self._offsets = torch.arange(F, device=self.device)
+        self.use_cpp = use_cpp  # CPU only: the C++ walk (replay_server/_cpu_kernels.py)
+
+    @staticmethod
+    def level_sizes(capacity: int, fanout: int) -> list[int]:
+        """Lengths of the levels, leaves first (each padded to whole blocks of `fanout`)."""
+        F = int(fanout)
         sizes = []
-        n = -(-capacity // F) * F  # leaves, padded
+        n = -(-int(capacity) // F) * F
         while True:
             sizes.append(n)
             if n <= F:
                 break
-            n = -(-(n // F) // F) * F  # parents, padded to whole blocks
-        self.levels = [torch.zeros(s, dtype=torch.float64, device=self.device) for s in sizes]
-        self._offsets = torch.arange(F, device=self.device)
-        self.use_cpp = use_cpp  # CPU only: the C++ walk (replay_server/_cpu_kernels.py)
+            n = -(-(n // F) // F) * F
+        return sizes
 
     # ---------------------------------------------------------------------------------
     @property

@@ -1,0 +1,193 @@
+"""RolloutActor: S simulated shards acting with a copy of the network, feeding replay shards.
+
+The plain class does the work (and is what the tests drive without Ray); `remote_actor_class`
+wraps it as a Ray actor. Per Ape-X (Horgan et al. 2018): actor i of M explores with
+eps_i = eps_base^(1 + eps_alpha i/(M-1)); here every simulated shard is an explorer, so the
+ladder runs over all M x S shards and actor i takes its S consecutive rungs (with S = 1 that
+is exactly Ape-X's per-actor eps_i). n-step transitions get initial priorities from the
+actor's own network copy, go out as `TransitionBatch` chunks round-robin over the replay
+shards with at most `max_in_flight` unacknowledged (back-pressure: the actor waits instead
+of queueing without bound), and the actor pulls the newest weights every `weight_pull_every`
+decisions.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Optional
+
+import numpy as np
+import torch
+
+from actors.rollout import RolloutWorker
+from apex_bdq.config import TrainConfig, train_config_from_dict
+from apex_bdq.networks import BDQNetwork
+from replay_server.replay_actor import TransitionBatch
+
+
+def _node_id() -> str:
+    try:
+        import ray
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
+    except Exception:
+        return "local"
+
+
+def actor_epsilons(agent_cfg, actor_id: int, num_actors: int, shards_per_actor: int) -> np.ndarray:
+    ladder = np.asarray(agent_cfg.epsilons(num_actors * shards_per_actor))
+    return ladder[actor_id * shards_per_actor:(actor_id + 1) * shards_per_actor]
+
+
+class RolloutActor:
+    def __init__(self, actor_id: int, num_actors: int, cfg: TrainConfig | dict, replay_shards: list,
+                 weight_store=None, max_in_flight: int = 4, weight_pull_every: int = 20,
+                 chunk_decisions: int = 1) -> None:
+        if not 0 <= actor_id < num_actors:
+            raise ValueError(f"actor_id must be in [0, {num_actors}), got {actor_id}")
+        if not replay_shards:
+            raise ValueError("a rollout actor needs at least one replay shard")
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+        self.cfg = train_config_from_dict(cfg) if isinstance(cfg, dict) else cfg
+        torch.set_num_threads(1)
+        self.actor_id, self.num_actors = actor_id, num_actors
+        S = self.cfg.sim.num_shards
+        self.eps = actor_epsilons(self.cfg.agent, actor_id, num_actors, S)
+        torch.manual_seed(self.cfg.seed + 1000 + actor_id)
+        self.net = BDQNetwork(self.cfg.net)
+        self.net.eval()
+        seed = self.cfg.seed + 7919 * (actor_id + 1)
+        self.worker = RolloutWorker(self.cfg.sim, self.cfg.agent, self.net, epsilons=self.eps, seed=seed)
+        self.shards = list(replay_shards)
+        self.store = weight_store
+        self.max_in_flight, self.pull_every, self.chunk_decisions = max_in_flight, weight_pull_every, chunk_decisions
+        self.version = -1
+        self.in_flight: list = []
+        self.next_shard = actor_id % len(self.shards)
+        self.decisions = 0
+        self.sent = 0
+        self.wait_s = 0.0  # time blocked on back-pressure
+        self.t_start = time.time()
+        self._stop = threading.Event()
+        self._pending: list = []
+
+    # -- weights -------------------------------------------------------------------------
+    def pull_weights(self) -> bool:
+        """Load the newest published weights if there are newer ones than ours."""
+        if self.store is None:
+            return False
+        import ray
+        got = ray.get(self.store.get_if_newer.remote(self.version))
+        if got is None:
+            return False
+        version, (ref,) = got
+        from learner.weight_store import load_numpy_state
+        load_numpy_state(self.net, ray.get(ref))
+        self.version = version
+        return True
+
+    def set_weights(self, state: dict, version: int) -> None:
+        from learner.weight_store import load_numpy_state
+        load_numpy_state(self.net, state)
+        self.version = version
+
+    # -- sending ---------------------------------------------------------------------------
+    def _send(self, batch: TransitionBatch) -> None:
+        import ray
+        while len(self.in_flight) >= self.max_in_flight:
+            t0 = time.perf_counter()
+            done, self.in_flight = ray.wait(self.in_flight, num_returns=1)
+            self.wait_s += time.perf_counter() - t0
+            ray.get(done)  # surfaces a shard's refusal (bad data) or death here
+        shard = self.shards[self.next_shard]
+        self.next_shard = (self.next_shard + 1) % len(self.shards)
+        self.in_flight.append(shard.add.remote(batch))
+        self.sent += len(batch)
+
+    def flush(self) -> None:
+        import ray
+        if self.in_flight:
+            ray.get(self.in_flight)
+            self.in_flight = []
+
+    # -- loop ------------------------------------------------------------------------------
+    def step(self) -> Optional[TransitionBatch]:
+        """One decision of every shard; returns the chunk to send once `chunk_decisions`
+        decisions' transitions are buffered."""
+        steps0 = self.worker.env_steps
+        tr = self.worker.step()
+        self.decisions += 1
+        if tr is not None:
+            pr = self.worker.priorities(tr).astype(np.float32)
+            self._pending.append((tr, pr, self.worker.env_steps - steps0))
+        else:
+            self._pending.append((None, None, self.worker.env_steps - steps0))
+        if self.decisions % self.chunk_decisions:
+            return None
+        parts = [(t, p) for t, p, _ in self._pending if t is not None]
+        env = sum(e for _, _, e in self._pending)
+        self._pending = []
+        if not parts:
+            return None
+        from apex_bdq.nstep import Transitions
+        tr = Transitions.concat([t for t, _ in parts]) if len(parts) > 1 else parts[0][0]
+        pr = np.concatenate([p for _, p in parts])
+        return TransitionBatch(**tr.as_dict(), priorities=pr, actor_id=self.actor_id, weight_version=self.version,
+                               env_steps=env)
+
+    def run(self, max_decisions: Optional[int] = None, max_seconds: Optional[float] = None) -> dict:
+        """Act until stopped (`stop()`, or the weight store's stop flag), or the limits."""
+        self._stop.clear()
+        t0 = time.time()
+        n = 0
+        if self.version < 0:
+            self.pull_weights()
+        while not self._stop.is_set():
+            if max_decisions is not None and n >= max_decisions:
+                break
+            if max_seconds is not None and time.time() - t0 >= max_seconds:
+                break
+            if n % self.pull_every == 0 and n:
+                self.pull_weights()
+                if self.store is not None:
+                    import ray
+                    if ray.get(self.store.should_stop.remote()):
+                        break
+            batch = self.step()
+            n += 1
+            if batch is not None:
+                self._send(batch)
+                self._metrics()
+        self.flush()
+        return self.stats()
+
+    def _metrics(self) -> None:
+        from apex_bdq import metrics as M
+        now = time.time()
+        last_t, last_steps = getattr(self, "_m_last", (self.t_start, 0))
+        if now - last_t < 1.0:
+            return
+        steps = self.worker.env_steps
+        M.record(M.ENV_STEPS, steps - last_steps, "rollout", self.actor_id)
+        M.record(M.ENV_STEPS_PER_S, (steps - last_steps) / (now - last_t), "rollout", self.actor_id)
+        self._m_last = (now, steps)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def stats(self) -> dict:
+        el = max(time.time() - self.t_start, 1e-9)
+        return {"actor": self.actor_id, "env_steps": self.worker.env_steps, "decisions": self.decisions,
+                "transitions_sent": self.sent, "weight_version": self.version, "backpressure_wait_s": self.wait_s,
+                "env_steps_per_s": self.worker.env_steps / el, "epsilon_min": float(self.eps.min()),
+                "epsilon_max": float(self.eps.max()), "episode_rewards": list(self.worker.finished_rewards[-16:]),
+                "pid": os.getpid(), "node_id": _node_id()}
+
+
+def remote_actor_class(num_cpus: float = 1.0, resources: Optional[dict] = None, max_restarts: int = 0):
+    """The Ray shell: max_concurrency 2 so `stats` and `stop` answer while `run` loops."""
+    import ray
+    return ray.remote(num_cpus=num_cpus, resources=resources or {}, max_concurrency=2,
+                      max_restarts=max_restarts)(RolloutActor)

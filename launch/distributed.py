@@ -1,0 +1,288 @@
+"""The Ape-X driver: replay shards, rollout actors, a weight store and a Ray Train learner
+group on a Ray cluster (local by default, `address="auto"` for an existing one).
+
+    driver ── creates ──> WeightStore (0 CPU)
+            ├─────────> ReplayShard x R   (shared-memory / CUDA-IPC replay + rate limiter)
+            ├─────────> RolloutActor x M  (S shards each, eps ladder, n-step, priorities)
+            └─ TorchTrainer(train_loop_per_worker) x L learners (ddp | deepspeed | accelerate)
+    actors --TransitionBatch (<= max_in_flight)--> shards <==shared memory==> learner (same node)
+    learner rank 0 --versioned weights--> WeightStore --get_if_newer--> actors
+
+Placement follows resources: rollout actors ask for `rollout` units, learners and replay
+shards for `learner` units, which `cluster.yaml` puts on the rollout and learner node types
+(and a local run declares on the one node), so the learner and its replay shards share a
+node and its memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from apex_bdq.checkpoint import CheckpointError, load_checkpoint
+from apex_bdq.config import ConfigError, TrainConfig
+from learner.backends import BACKENDS
+
+ROLLOUT_RESOURCE = "rollout"
+LEARNER_RESOURCE = "learner"
+
+
+@dataclass
+class ClusterSpec:
+    """How many of each component and what each asks the scheduler for."""
+
+    num_actors: int = 2
+    num_replay_shards: int = 1
+    num_learners: int = 1
+    backend: str = "ddp"
+    use_gpu: bool = False
+    shards_per_actor: Optional[int] = None  # None: the preset's sim.num_shards split between the actors
+    actor_cpus: float = 1.0
+    learner_cpus: float = 1.0
+    replay_cpus: float = 0.0
+    replay_gpus: float = 0.0  # fractional GPU per replay shard when use_gpu (storage on the device)
+    max_in_flight: int = 4
+    weight_pull_every: int = 10
+    publish_every: int = 50
+    checkpoint_every_s: float = 60.0
+    samples_per_insert: Optional[float] = None
+    error_buffer: float = 0.0
+    use_placement_resources: bool = True  # ask for rollout / learner units (cluster.yaml node types)
+    max_restarts: int = 0
+    storage_path: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        for k in ("num_actors", "num_replay_shards", "num_learners", "max_in_flight", "weight_pull_every",
+                  "publish_every"):
+            if getattr(self, k) < 1:
+                raise ConfigError(f"{k.replace('_', '-')} must be >= 1, got {getattr(self, k)}")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"unknown backend {self.backend!r}: choose from {', '.join(BACKENDS)}")
+        if self.shards_per_actor is not None and self.shards_per_actor < 1:
+            raise ConfigError(f"shards-per-actor must be >= 1, got {self.shards_per_actor}")
+
+
+def local_ray_init(spec: ClusterSpec, address: Optional[str] = None, **kwargs) -> None:
+    """Connect to `address`, or start a local cluster big enough (logical CPUs) for the
+    components on this machine, declaring the placement resources on its one node."""
+    import ray
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # KNOWN.md: token auth breaks job submission
+    if ray.is_initialized():
+        return
+    if address:
+        ray.init(address=address, **kwargs)
+        return
+    need = spec.num_actors * spec.actor_cpus + spec.num_learners * spec.learner_cpus + \
+        spec.num_replay_shards * spec.replay_cpus + 1
+    cpus = max(os.cpu_count() or 1, math.ceil(need))
+    res = {ROLLOUT_RESOURCE: float(spec.num_actors) * 4, LEARNER_RESOURCE: float(spec.num_learners) * 4}
+    ray.init(address="local", num_cpus=cpus, resources=res, **kwargs)
+
+
+class ApexRun:
+    """One distributed training run; `run()` blocks until the budget is spent."""
+
+    def __init__(self, cfg: TrainConfig, spec: ClusterSpec, resume: Optional[dict] = None) -> None:
+        self.cfg, self.spec, self.resume = cfg, spec, resume
+        self.history: list[dict] = []
+        self.t_offset = 0.0
+        if resume is not None:
+            self.history = list(resume.get("counters", {}).get("history", []))
+            self.t_offset = float(self.history[-1]["t_s"]) if self.history else 0.0
+
+    # -- components ------------------------------------------------------------------------
+    def _placement(self, kind: str) -> dict:
+        import ray
+        if not self.spec.use_placement_resources:
+            return {}
+        have = ray.cluster_resources()
+        name = ROLLOUT_RESOURCE if kind == "rollout" else LEARNER_RESOURCE
+        if name not in have:
+            return {}  # a cluster without the node types of cluster.yaml: place by CPU only
+        return {name: 0.001}
+
+    def _actor_cfg(self) -> TrainConfig:
+        s = self.spec
+        per = s.shards_per_actor or max(1, self.cfg.sim.num_shards // s.num_actors)
+        return dataclasses.replace(self.cfg, sim=self.cfg.sim.replace(num_shards=per))
+
+    def start(self) -> None:
+        import ray
+        from actors.rollout_actor import remote_actor_class
+        from apex_bdq.checkpoint import config_to_dict
+        from learner.weight_store import remote_store_class
+        from replay_server.replay_actor import ShardConfig, remote_shard_class, transition_fields
+        s, a = self.spec, self.cfg.agent
+        self.store = remote_store_class(max_restarts=s.max_restarts).remote()
+        per_shard = max(a.batch_size, a.replay_capacity // s.num_replay_shards)
+        device = "cuda" if s.use_gpu and s.replay_gpus > 0 else "cpu"
+        self.shard_cfg = ShardConfig(capacity=per_shard, alpha=a.alpha, beta0=a.beta0, beta_steps=a.beta_steps,
+                                     min_size=max(a.batch_size, a.learning_starts // s.num_replay_shards),
+                                     samples_per_insert=s.samples_per_insert, error_buffer=s.error_buffer,
+                                     device=device, seed=self.cfg.seed, fields=transition_fields(self.cfg.net))
+        Shard = remote_shard_class(num_cpus=s.replay_cpus, num_gpus=s.replay_gpus if device == "cuda" else 0.0,
+                                   resources=self._placement("learner"), max_restarts=s.max_restarts)
+        self.shards = [Shard.remote(i, self.shard_cfg) for i in range(s.num_replay_shards)]
+        ray.get([sh.ready.remote() for sh in self.shards])
+        self.specs = ray.get([sh.shared_spec.remote() for sh in self.shards])
+        actor_cfg = config_to_dict(self._actor_cfg())
+        Actor = remote_actor_class(num_cpus=s.actor_cpus, resources=self._placement("rollout"),
+                                   max_restarts=s.max_restarts)
+        self.actors = [Actor.remote(i, s.num_actors, actor_cfg, self.shards, self.store, s.max_in_flight,
+                                    s.weight_pull_every) for i in range(s.num_actors)]
+        if self.resume is not None:  # actors start from the checkpoint's weights, not random ones
+            state = {k: t.detach().cpu().numpy().copy() for k, t in self.resume["learner"]["net"].items()}
+            self.store.put.remote(int(self.resume["learner"].get("version", 0)), state)
+        self.actor_runs = [act.run.remote() for act in self.actors]
+
+    def _trainer(self, minutes: float, max_updates: Optional[int]):
+        from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+        from ray.train.torch import TorchTrainer
+        from apex_bdq.checkpoint import config_to_dict
+        from learner.train_loop import train_loop_per_worker
+        s = self.spec
+        env = {"DS_ACCELERATOR": "cpu"} if not s.use_gpu else {}
+        if os.environ.get("TORCH_EXTENSIONS_DIR"):
+            env["TORCH_EXTENSIONS_DIR"] = os.environ["TORCH_EXTENSIONS_DIR"]
+        per_worker = {"CPU": s.learner_cpus, **self._placement("learner")}
+        storage = s.storage_path or os.path.join(tempfile.gettempdir(), "apex_bdq_train")
+        config = {"cfg": config_to_dict(self.cfg), "backend": s.backend, "shards": self.shards, "specs": self.specs,
+                  "shard_cfg": self.shard_cfg, "store": self.store, "minutes": minutes, "max_updates": max_updates,
+                  "publish_every": s.publish_every, "checkpoint_every_s": s.checkpoint_every_s, "use_gpu": s.use_gpu,
+                  "resume": self.resume, "torch_threads": max(1, int(s.learner_cpus))}
+        return TorchTrainer(train_loop_per_worker, train_loop_config=config,
+                            scaling_config=ScalingConfig(num_workers=s.num_learners, use_gpu=s.use_gpu,
+                                                         resources_per_worker=per_worker),
+                            run_config=RunConfig(name=f"apex_bdq_{int(time.time())}", storage_path=storage,
+                                                 failure_config=FailureConfig(max_failures=s.max_restarts),
+                                                 checkpoint_config=CheckpointConfig(num_to_keep=2),
+                                                 worker_runtime_env={"env_vars": env}))
+
+    # -- monitoring --------------------------------------------------------------------------
+    def status(self) -> dict:
+        import ray
+        st = ray.get(self.store.status.remote())
+        shards = ray.get([sh.stats.remote() for sh in self.shards])
+        actors = ray.get([a.stats.remote() for a in self.actors])
+        versions = [x["weight_version"] for x in actors]
+        lag = max(0, st["version"] - min(versions)) if versions and st["version"] >= 0 else 0
+        self.store.record_driver_metrics.remote(lag, len(actors))
+        return {"version": st["version"], "learner": st["learner"], "weight_lag": lag,
+                "replay_size": sum(x["size"] for x in shards), "inserted": sum(x["inserted"] for x in shards),
+                "sampled": sum(x["sampled"] for x in shards), "env_steps": sum(x["env_steps"] for x in actors),
+                "actors": actors, "shards": shards}
+
+    def current_policy_net(self):
+        import ray
+        from apex_bdq.networks import BDQNetwork
+        from learner.weight_store import load_numpy_state
+        got = ray.get(self.store.get_if_newer.remote(-1))
+        net = BDQNetwork(self.cfg.net)
+        if got is not None:
+            load_numpy_state(net, ray.get(got[1][0]))
+        return net, (got[0] if got else -1)
+
+    # -- the run -----------------------------------------------------------------------------
+    def run(self, minutes: Optional[float] = None, max_updates: Optional[int] = None,
+            on_progress: Optional[Callable[[dict], None]] = None,
+            evaluate: Optional[Callable] = None) -> dict:
+        """Train for `minutes` (default: the preset's); evaluate(net, ticks) -> dict is called
+        every `eval_every_s` on the newest weights."""
+        import ray
+        minutes = self.cfg.minutes if minutes is None else minutes
+        self.start()
+        trainer = self._trainer(minutes, max_updates)
+        box: dict = {}
+
+        def fit() -> None:
+            try:
+                box["result"] = trainer.fit()
+            except BaseException as e:  # re-raised in the driver thread
+                box["error"] = e
+
+        t0 = time.perf_counter()
+        th = threading.Thread(target=fit, name="train-fit", daemon=True)
+        th.start()
+        next_eval = self.cfg.eval_every_s
+        last = None
+        while th.is_alive():
+            th.join(timeout=2.0)
+            try:
+                st = self.status()
+            except ray.exceptions.RayError as e:
+                st = {"error": repr(e)}
+            now = time.perf_counter() - t0
+            if last is not None and "env_steps" in st:
+                dt = now - last[0]
+                st["env_steps_per_s"] = (st["env_steps"] - last[1]) / max(dt, 1e-9)
+                lr = st.get("learner") or {}
+                st["updates_per_s"] = lr.get("updates_per_s", float("nan"))
+            if "env_steps" in st:
+                last = (now, st["env_steps"])
+            if evaluate is not None and now >= next_eval and st.get("version", -1) >= 0:
+                net, v = self.current_policy_net()
+                ev = evaluate(net, self.cfg.eval_ticks)
+                st["eval"] = ev
+                self.history.append({"t_s": self.t_offset + now, "env_steps": st.get("env_steps", 0),
+                                     "updates": v, **{k: ev[k] for k in ("eval_reward", "hpa_eval_reward",
+                                                                          "slo_violation_rate",
+                                                                          "hpa_slo_violation_rate")}})
+                next_eval = (time.perf_counter() - t0) + self.cfg.eval_every_s
+            if on_progress is not None:
+                on_progress({**st, "t_s": now})
+        train_s = time.perf_counter() - t0
+        self.store.set_stop.remote(True)
+        for sh in self.shards:  # no learner any more: let blocked inserts through so actors can stop
+            sh.release.remote()
+        try:
+            actor_stats = ray.get(self.actor_runs, timeout=120)
+        except ray.exceptions.RayError as e:
+            actor_stats = [{"error": repr(e)}]
+        if "error" in box:
+            raise box["error"]
+        result = box["result"]
+        final_status = self.status()
+        out = {"train_seconds": train_s, "result": result, "actor_stats": actor_stats, "status": final_status}
+        return out
+
+    def shutdown(self) -> None:
+        import ray
+        for sh in getattr(self, "shards", []):
+            try:
+                ray.get(sh.close.remote(), timeout=10)
+            except Exception:
+                pass
+
+
+def copy_checkpoint(result, dest: str | Path) -> Optional[Path]:
+    """Copy the run's latest checkpoint file to `dest` (the path `launch.evaluate` reads)."""
+    from learner.train_loop import CHECKPOINT_NAME
+    ck = getattr(result, "checkpoint", None)
+    if ck is None:
+        return None
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with ck.as_directory() as d:
+        src = Path(d) / CHECKPOINT_NAME
+        if not src.exists():
+            raise CheckpointError(f"Ray Train checkpoint {ck.path} has no {CHECKPOINT_NAME}")
+        tmp = dest.with_suffix(dest.suffix + ".tmp")
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, dest)
+    return dest
+
+
+def annotate_checkpoint(path: Path, counters: dict) -> None:
+    """Write the driver's counters (env steps, learning curve) into the copied checkpoint."""
+    from apex_bdq.checkpoint import save_checkpoint
+    ck = load_checkpoint(path)
+    save_checkpoint(path, ck["config"], ck["learner"], {**ck["counters"], **counters})
+

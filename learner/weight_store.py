@@ -1,0 +1,71 @@
+"""WeightStore: the learner's rank 0 publishes versioned weights, actors pull the newest.
+
+The weights themselves stay in Ray's object store (the store keeps a reference inside a
+list, so it never copies them); an actor asks `get_if_newer(its version)` and fetches the
+object only when there is a newer one. The store also carries the run's stop flag and the
+learner's latest metrics, so the driver and actors have one place to look.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+
+class WeightStore:
+    def __init__(self) -> None:
+        self.version = -1
+        self._ref: list = []
+        self.stop = False
+        self.learner: dict = {}
+        self.published_at = 0.0
+
+    def put(self, version: int, state: dict) -> int:
+        """Publish weights (a dict of numpy arrays). The store re-puts them itself so that it
+        owns the object: weights outlive the learner worker that sent them (a finished or
+        restarted learner must not take the actors' weights with it)."""
+        if version <= self.version:
+            return self.version  # an older publication arriving late never replaces a newer one
+        import numpy as np
+        import ray
+        own = {k: np.array(v, copy=True) for k, v in state.items()}
+        self.version, self._ref, self.published_at = int(version), [ray.put(own)], time.time()
+        return self.version
+
+    def get_if_newer(self, version: int) -> Optional[tuple[int, list]]:
+        return (self.version, self._ref) if self.version > version else None
+
+    def get_version(self) -> int:
+        return self.version
+
+    def set_stop(self, stop: bool = True) -> None:
+        self.stop = bool(stop)
+
+    def should_stop(self) -> bool:
+        return self.stop
+
+    def report(self, metrics: dict) -> None:
+        self.learner = dict(metrics)
+
+    def record_driver_metrics(self, version_lag: float, actors: int) -> None:
+        from apex_bdq import metrics as M
+        M.record(M.WEIGHT_VERSION_LAG, version_lag, "driver")
+        M.record(M.ACTOR_COUNT, actors, "driver")
+
+    def status(self) -> dict:
+        return {"version": self.version, "stop": self.stop, "learner": dict(self.learner),
+                "published_at": self.published_at}
+
+
+def remote_store_class(max_restarts: int = 0):
+    import ray
+    return ray.remote(num_cpus=0, max_restarts=max_restarts)(WeightStore)
+
+
+def state_to_numpy(module) -> dict:
+    return {k: v.detach().cpu().numpy().copy() for k, v in module.state_dict().items()}
+
+
+def load_numpy_state(module, state: dict) -> None:
+    import torch
+    module.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()})

@@ -1,0 +1,206 @@
+"""ReplayShard: one shard of the distributed prioritized replay, and its Ray actor shell.
+
+Rollout actors insert `TransitionBatch` chunks through the shard (`add`); the learner worker
+on the same node attaches to the shard's memory (`shared_spec`, replay_server/shared.py) and
+samples and updates priorities in place, with no RPC per batch; a learner on another node
+uses the `sample` / `update_priorities` RPCs (the object-store route, kept as the fallback
+and as the baseline the benchmark compares against). A Reverb-style rate limiter gates
+both sides (replay_server/rate_limiter.py).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+
+from replay_server.rate_limiter import RateLimiter
+from replay_server.replay import FieldSpec, PrioritizedReplay, ReplayError
+
+TRANSITION_FIELDS = ("macro", "micro", "action", "reward", "discount", "next_macro", "next_micro")
+
+
+@dataclass
+class TransitionBatch:
+    """A chunk of n-step transitions from one rollout actor, with initial priorities.
+
+    Arrays are numpy (zero-copy through Ray's object store): macro [M, Fm] f32, micro
+    [M, K, H, Fu] f32, action [M, D] u8, reward [M] f32, discount [M] f32, next_macro,
+    next_micro; priorities [M] f32 (|TD| from the actor's network copy)."""
+
+    macro: np.ndarray
+    micro: np.ndarray
+    action: np.ndarray
+    reward: np.ndarray
+    discount: np.ndarray
+    next_macro: np.ndarray
+    next_micro: np.ndarray
+    priorities: np.ndarray
+    actor_id: int = -1
+    weight_version: int = -1  # the weights that acted
+    env_steps: int = 0  # simulator ticks x shards behind this chunk
+
+    def __len__(self) -> int:
+        return len(self.reward)
+
+    def tensors(self) -> dict:
+        import warnings
+        with warnings.catch_warnings():  # arrays from the object store are read-only; replay copies them
+            warnings.simplefilter("ignore", UserWarning)
+            return {k: torch.from_numpy(np.asarray(getattr(self, k))) for k in TRANSITION_FIELDS}
+
+
+def transition_fields(net_cfg) -> dict:
+    """The replay fields for a network config (the simulator's real shapes)."""
+    micro = (net_cfg.num_classes, net_cfg.history, net_cfg.micro_features)
+    return {"macro": FieldSpec((net_cfg.macro_features,), torch.float32), "micro": FieldSpec(micro, torch.float32),
+            "action": FieldSpec((net_cfg.num_branches,), torch.uint8), "reward": FieldSpec((), torch.float32),
+            "discount": FieldSpec((), torch.float32), "next_macro": FieldSpec((net_cfg.macro_features,), torch.float32),
+            "next_micro": FieldSpec(micro, torch.float32)}
+
+
+@dataclass
+class ShardConfig:
+    capacity: int
+    alpha: float = 0.6
+    beta0: float = 0.4
+    beta_steps: int = 50_000
+    min_size: int = 1
+    samples_per_insert: Optional[float] = None
+    error_buffer: float = 0.0
+    device: str = "cpu"
+    shared: bool = True  # allocate in node-shared memory so a co-located learner attaches
+    insert_timeout_s: float = 600.0  # a blocked insert (learner gone?) fails after this
+    seed: int = 0
+    fields: dict = field(default_factory=dict)
+
+    @property
+    def limiter(self) -> RateLimiter:
+        return RateLimiter(self.min_size, self.samples_per_insert, self.error_buffer)
+
+
+class ReplayShard:
+    def __init__(self, shard_id: int, cfg: ShardConfig) -> None:
+        self.shard_id = shard_id
+        self.cfg = cfg
+        self.limiter = cfg.limiter
+        self.arena = None
+        if cfg.shared:
+            from replay_server.shared import SharedArena
+            self.arena = SharedArena.create(cfg.device, tag=f"shard{shard_id}")
+        self.replay = PrioritizedReplay(cfg.capacity, cfg.fields, device=cfg.device, alpha=cfg.alpha, beta0=cfg.beta0,
+                                        beta_steps=cfg.beta_steps, seed=cfg.seed + shard_id, shared=self.arena)
+        self.t0 = time.time()
+        self.inserted_by_actor: dict[int, int] = {}
+        self.env_steps = 0
+        self.versions: dict[int, int] = {}  # actor -> weight version of its last chunk
+        self.blocked_s = 0.0
+        self._stat_lock = threading.Lock()
+
+    # -- identity ------------------------------------------------------------------------
+    def node_id(self) -> str:
+        try:
+            import ray
+            return ray.get_runtime_context().get_node_id()
+        except Exception:
+            return "local"
+
+    def shared_spec(self):
+        """The handle a learner on this node attaches with (None if not shareable)."""
+        return None if self.arena is None else self.replay.shared_spec(self.node_id())
+
+    def ready(self) -> int:
+        return self.shard_id
+
+    # -- inserts ---------------------------------------------------------------------------
+    def add(self, batch: TransitionBatch) -> int:
+        """Insert a chunk (validated: shapes, dtypes, NaN); blocks while the rate limiter
+        says the learner is behind. Returns the shard's size."""
+        if not isinstance(batch, TransitionBatch):
+            raise ReplayError(f"replay shard {self.shard_id}: expected a TransitionBatch, got {type(batch).__name__}")
+        m = len(batch)
+        pr = np.asarray(batch.priorities)
+        if pr.shape != (m,):
+            raise ReplayError(f"replay shard {self.shard_id}: priorities must be [{m}], got {list(pr.shape)}")
+        data = batch.tensors()
+        t0 = time.perf_counter()
+        while not self.limiter.can_insert(self.replay.writes, self.replay.sampled, m):
+            if time.perf_counter() - t0 > self.cfg.insert_timeout_s:
+                raise TimeoutError(f"replay shard {self.shard_id}: insert blocked {self.cfg.insert_timeout_s:.0f} s by "
+                                   f"the rate limiter (samples_per_insert={self.limiter.samples_per_insert}); "
+                                   "is the learner running?")
+            time.sleep(0.002)
+        waited = time.perf_counter() - t0
+        try:
+            self.replay.add(data, torch.from_numpy(pr.astype(np.float32, copy=False)))
+        except ReplayError as e:
+            raise ReplayError(f"replay shard {self.shard_id}, chunk from actor {batch.actor_id}: {e}") from None
+        from apex_bdq import metrics as M
+        M.record(M.TRANSITIONS_INSERTED, m, "replay", self.shard_id)
+        M.record(M.REPLAY_SIZE, self.replay.size, "replay", self.shard_id)
+        with self._stat_lock:
+            self.blocked_s += waited
+            self.inserted_by_actor[batch.actor_id] = self.inserted_by_actor.get(batch.actor_id, 0) + m
+            self.env_steps += int(batch.env_steps)
+            self.versions[batch.actor_id] = int(batch.weight_version)
+        return self.replay.size
+
+    def release(self) -> None:
+        """Turn the samples-per-insert ratio off (the learner has finished): blocked and later
+        inserts go through, so rollout actors can drain and stop."""
+        self.limiter = RateLimiter(self.limiter.min_size)
+
+    # -- the RPC route (a learner on another node) ------------------------------------------
+    def sample(self, batch_size: int, timeout_s: float = 60.0) -> Optional[dict]:
+        """A prioritized batch as numpy (None if the limiter still says no after timeout_s)."""
+        t0 = time.perf_counter()
+        while not self.limiter.can_sample(self.replay.size, self.replay.writes, self.replay.sampled, batch_size):
+            if time.perf_counter() - t0 > timeout_s:
+                return None
+            time.sleep(0.002)
+        s = self.replay.sample(batch_size)
+        return {"indices": s.indices.cpu().numpy(), "generations": s.generations.cpu().numpy(),
+                "weights": s.weights.cpu().numpy(), "data": {k: v.cpu().numpy() for k, v in s.data.items()}}
+
+    def update_priorities(self, indices: np.ndarray, generations: np.ndarray, priorities: np.ndarray) -> int:
+        return self.replay.update_priorities(torch.as_tensor(indices), torch.as_tensor(generations),
+                                             torch.as_tensor(priorities))
+
+    # -- state -----------------------------------------------------------------------------
+    def stats(self) -> dict:
+        with self._stat_lock:
+            return {"shard": self.shard_id, "size": self.replay.size, "capacity": self.replay.capacity,
+                    "inserted": self.replay.writes, "sampled": self.replay.sampled, "env_steps": self.env_steps,
+                    "inserted_by_actor": dict(self.inserted_by_actor), "actor_versions": dict(self.versions),
+                    "insert_blocked_s": self.blocked_s, "uptime_s": time.time() - self.t0, "pid": os.getpid(),
+                    "node_id": self.node_id(), "device": str(self.replay.device)}
+
+    def state_dict(self) -> dict:
+        return self.replay.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.replay.load_state_dict(state)
+
+    def close(self) -> None:
+        if self.arena is not None:
+            self.arena.unlink()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def remote_shard_class(num_cpus: float = 0.25, num_gpus: float = 0.0, resources: Optional[dict] = None,
+                       max_restarts: int = 0):
+    """The Ray actor shell: threaded (inserts from several actors, stats, RPC samples run
+    side by side; the replay's lock orders them)."""
+    import ray
+    return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, resources=resources or {}, max_concurrency=16,
+                      max_restarts=max_restarts)(ReplayShard)

@@ -1,0 +1,147 @@
+"""Ape-X components without a Ray cluster: rate limiter, replay shard, rollout actor, config
+overrides, cluster.yaml validation."""
+
+import copy
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from actors.rollout_actor import RolloutActor, actor_epsilons
+from apex_bdq.config import AgentConfig, ConfigError, apply_overrides
+from launch import train
+from replay_server.rate_limiter import RateLimiter
+from replay_server.replay import ReplayError
+from replay_server.replay_actor import ReplayShard, ShardConfig, TransitionBatch, transition_fields
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = train.PRESETS["smoke"]
+
+
+def test_rate_limiter_bounds_both_sides():
+    rl = RateLimiter(min_size=100, samples_per_insert=2.0, error_buffer=50)
+    assert not rl.can_sample(size=99, inserted=99, sampled=0, b=10)  # below min size
+    assert rl.can_sample(size=100, inserted=100, sampled=0, b=10)
+    # The learner far ahead of the actors: sampling stops, inserting goes on.
+    assert not rl.can_sample(size=200, inserted=200, sampled=400 - 100 * 2 + 51 + 200, b=10)
+    assert rl.can_insert(inserted=200, sampled=400, m=10)
+    # The actors far ahead: inserting stops until the learner catches up.
+    assert not rl.can_insert(inserted=1000, sampled=0, m=10)
+    assert rl.can_insert(inserted=1000, sampled=2000 - 200 - 50, m=10)
+    free = RateLimiter(min_size=10)
+    assert free.can_insert(10 ** 9, 0, 10) and free.can_sample(10, 10, 10 ** 9, 10)
+    with pytest.raises(ValueError, match="samples_per_insert"):
+        RateLimiter(samples_per_insert=0)
+
+
+def _batch(m: int, net_cfg, actor_id: int = 0, **over) -> TransitionBatch:
+    f = transition_fields(net_cfg)
+    arrays = {k: np.zeros((m, *spec.shape), dtype=torch.empty((), dtype=spec.dtype).numpy().dtype) for k, spec in f.items()}
+    arrays.update(over)
+    return TransitionBatch(**arrays, priorities=np.ones(m, np.float32), actor_id=actor_id, weight_version=3,
+                           env_steps=m * 10)
+
+
+def test_replay_shard_validates_chunks_and_counts(tmp_path):
+    shard = ReplayShard(0, ShardConfig(capacity=64, fields=transition_fields(SMOKE.net), shared=False))
+    assert shard.add(_batch(10, SMOKE.net)) == 10
+    bad = _batch(4, SMOKE.net)
+    bad.reward[2] = np.nan
+    with pytest.raises(ReplayError, match="reward.*NaN"):
+        shard.add(bad)
+    wrong = _batch(4, SMOKE.net, micro=np.zeros((4, 1, 1, 1), np.float32))
+    with pytest.raises(ReplayError, match="micro"):
+        shard.add(wrong)
+    with pytest.raises(ReplayError, match="TransitionBatch"):
+        shard.add({"reward": np.zeros(3)})
+    st = shard.stats()
+    assert st["size"] == 10 and st["inserted"] == 10  # nothing of a refused chunk was written
+    assert st["inserted_by_actor"] == {0: 10} and st["actor_versions"] == {0: 3} and st["env_steps"] == 100
+    out = shard.sample(8)
+    assert out["data"]["macro"].shape == (8, SMOKE.net.macro_features)
+    assert shard.update_priorities(out["indices"], out["generations"], np.full(8, 5.0)) == 8
+
+
+def test_actor_epsilon_ladder_is_apex_per_explorer():
+    a = AgentConfig()
+    # One shard per actor: exactly eps_i = 0.4^(1 + 7 i/(M-1)).
+    M = 8
+    got = np.concatenate([actor_epsilons(a, i, M, 1) for i in range(M)])
+    want = np.array([0.4 ** (1 + 7 * i / (M - 1)) for i in range(M)])
+    np.testing.assert_allclose(got, want)
+    # S shards per actor: actor i takes its S consecutive rungs of the M*S ladder.
+    e1 = actor_epsilons(a, 1, 4, 3)
+    np.testing.assert_allclose(e1, np.asarray(a.epsilons(12))[3:6])
+
+
+def test_rollout_actor_emits_typed_chunks_with_priorities():
+    cfg = dataclasses.replace(SMOKE, sim=SMOKE.sim.replace(num_shards=4))
+    act = RolloutActor(1, 2, cfg, replay_shards=["unused"])
+    chunks = [b for b in (act.step() for _ in range(cfg.agent.n_step + 3)) if b is not None]
+    assert chunks, "n-step transitions should come out after n decisions"
+    b = chunks[0]
+    assert isinstance(b, TransitionBatch) and b.actor_id == 1 and len(b) == 4
+    assert b.priorities.shape == (4,) and np.isfinite(b.priorities).all() and (b.priorities >= 0).all()
+    assert b.env_steps == 4 * cfg.agent.decision_ticks
+    np.testing.assert_allclose(act.eps, actor_epsilons(cfg.agent, 1, 2, 4))
+    with pytest.raises(ValueError, match="actor_id"):
+        RolloutActor(2, 2, cfg, replay_shards=["x"])
+    with pytest.raises(ValueError, match="replay shard"):
+        RolloutActor(0, 2, cfg, replay_shards=[])
+
+
+def test_config_overrides_parse_types_and_name_bad_keys():
+    cfg = apply_overrides(SMOKE, ["agent.lr=0.01", "sim.num_shards=3", "minutes=0.5", "agent.explore_hold_mu=2"])
+    assert cfg.agent.lr == 0.01 and cfg.sim.num_shards == 3 and cfg.minutes == 0.5
+    assert cfg.agent.explore_hold_mu == 2.0
+    with pytest.raises(ConfigError, match="no field 'lrr'"):
+        apply_overrides(SMOKE, ["agent.lrr=1"])
+    with pytest.raises(ConfigError, match="not a valid int"):
+        apply_overrides(SMOKE, ["agent.batch_size=big"])
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        apply_overrides(SMOKE, ["agent.lr"])
+    with pytest.raises(ConfigError, match="agent.lr must be > 0"):
+        apply_overrides(SMOKE, ["agent.lr=-1"])
+
+
+def _validate(cfg: dict) -> dict:
+    """The checks `ray up` runs on a config before it talks to the cloud provider
+    (`_bootstrap_config`: prepare_config, then the JSON-schema validation)."""
+    from ray.autoscaler._private.util import prepare_config, validate_config
+    c = prepare_config(copy.deepcopy(cfg))
+    validate_config(c)
+    return c
+
+
+def test_cluster_yaml_validates_and_declares_the_placement_resources():
+    from launch.distributed import LEARNER_RESOURCE, ROLLOUT_RESOURCE
+    cfg = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    c = _validate(cfg)
+    types = c["available_node_types"]
+    rollout = [n for n, t in types.items() if ROLLOUT_RESOURCE in t["resources"]]
+    learner = [n for n, t in types.items() if LEARNER_RESOURCE in t["resources"]]
+    assert rollout and learner and c["head_node_type"] not in rollout + learner
+    assert all(types[n]["resources"].get("GPU", 0) >= 1 for n in learner)
+    assert all("GPU" not in types[n]["resources"] for n in rollout)
+    setup = " ".join(c["setup_commands"])
+    assert "pip install" in setup and "apex-bdq" in setup
+    head = " ".join(c["head_start_ray_commands"])
+    assert "--dashboard-host=127.0.0.1" in head and "RAY_AUTH_MODE=disabled" in head
+
+
+@pytest.mark.parametrize("breakage", ["typo_in_node_type", "unknown_top_level", "bad_type"])
+def test_cluster_yaml_with_a_broken_key_fails_validation(breakage):
+    import jsonschema
+    cfg = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    if breakage == "typo_in_node_type":
+        cfg["available_node_types"]["cpu_rollout"]["max_worker"] = cfg["available_node_types"]["cpu_rollout"].pop(
+            "max_workers")
+    elif breakage == "unknown_top_level":
+        cfg["head_node_types"] = "head"
+    else:
+        cfg["max_workers"] = "many"
+    with pytest.raises((jsonschema.ValidationError, ValueError)):
+        _validate(cfg)
