@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run baselines test bench setup clean
+.PHONY: run run-local baselines test bench setup clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -15,7 +15,10 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/python -m launch.train --local --json runs/train.json --curve runs/train_curve.png
+	$(BIN)/python -m launch.train --json runs/train.json --curve runs/train_curve.png
+
+run-local: $(STAMP)
+	$(BIN)/python -m launch.train --local --json runs/train_local.json --curve runs/train_local_curve.png
 
 baselines: $(STAMP)
 	$(BIN)/python -m launch.evaluate --policy all --plot runs/baselines.png
@@ -27,6 +30,7 @@ bench: $(STAMP)
 	$(BIN)/python -m launch.bench sim --json runs/bench_sim.json
 	$(BIN)/python -m pip install -q -e '.[bench]'
 	$(BIN)/python -m launch.bench replay --json runs/bench_replay.json
+	$(BIN)/python -m launch.bench apex --json runs/bench_apex.json --plot runs/bench_apex.png
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -43,7 +43,7 @@ def actor_epsilons(agent_cfg, actor_id: int, num_actors: int, shards_per_actor: 
 class RolloutActor:
     def __init__(self, actor_id: int, num_actors: int, cfg: TrainConfig | dict, replay_shards: list,
                  weight_store=None, max_in_flight: int = 4, weight_pull_every: int = 20,
-                 chunk_decisions: int = 1) -> None:
+                 chunk_transitions: int = 256) -> None:
         if not 0 <= actor_id < num_actors:
             raise ValueError(f"actor_id must be in [0, {num_actors}), got {actor_id}")
         if not replay_shards:
@@ -62,7 +62,8 @@ class RolloutActor:
         self.worker = RolloutWorker(self.cfg.sim, self.cfg.agent, self.net, epsilons=self.eps, seed=seed)
         self.shards = list(replay_shards)
         self.store = weight_store
-        self.max_in_flight, self.pull_every, self.chunk_decisions = max_in_flight, weight_pull_every, chunk_decisions
+        self.max_in_flight, self.pull_every = max_in_flight, weight_pull_every
+        self.chunk_transitions = max(1, int(chunk_transitions))
         self.version = -1
         self.in_flight: list = []
         self.next_shard = actor_id % len(self.shards)
@@ -72,6 +73,9 @@ class RolloutActor:
         self.t_start = time.time()
         self._stop = threading.Event()
         self._pending: list = []
+        self._pending_n = 0
+        self._pending_env = 0
+        self._stop_flag = False
 
     # -- weights -------------------------------------------------------------------------
     def pull_weights(self) -> bool:
@@ -79,10 +83,11 @@ class RolloutActor:
         if self.store is None:
             return False
         import ray
-        got = ray.get(self.store.get_if_newer.remote(self.version))
-        if got is None:
+        got = ray.get(self.store.poll.remote(self.version))  # one RPC: newer weights (if any) + stop flag
+        self._stop_flag = got["stop"]
+        if got["weights"] is None:
             return False
-        version, (ref,) = got
+        version, (ref,) = got["weights"]
         from learner.weight_store import load_numpy_state
         load_numpy_state(self.net, ray.get(ref))
         self.version = version
@@ -114,28 +119,28 @@ class RolloutActor:
 
     # -- loop ------------------------------------------------------------------------------
     def step(self) -> Optional[TransitionBatch]:
-        """One decision of every shard; returns the chunk to send once `chunk_decisions`
-        decisions' transitions are buffered."""
+        """One decision of every shard; returns a chunk to send once at least
+        `chunk_transitions` transitions are buffered (priorities are computed for the whole
+        chunk in one batched forward pass, and one RPC carries it)."""
         steps0 = self.worker.env_steps
         tr = self.worker.step()
         self.decisions += 1
+        self._pending_env += self.worker.env_steps - steps0
         if tr is not None:
-            pr = self.worker.priorities(tr).astype(np.float32)
-            self._pending.append((tr, pr, self.worker.env_steps - steps0))
-        else:
-            self._pending.append((None, None, self.worker.env_steps - steps0))
-        if self.decisions % self.chunk_decisions:
+            self._pending.append(tr)
+            self._pending_n += len(tr)
+        if self._pending_n < self.chunk_transitions:
             return None
-        parts = [(t, p) for t, p, _ in self._pending if t is not None]
-        env = sum(e for _, _, e in self._pending)
-        self._pending = []
-        if not parts:
-            return None
+        return self._make_batch()
+
+    def _make_batch(self) -> TransitionBatch:
         from apex_bdq.nstep import Transitions
-        tr = Transitions.concat([t for t, _ in parts]) if len(parts) > 1 else parts[0][0]
-        pr = np.concatenate([p for _, p in parts])
-        return TransitionBatch(**tr.as_dict(), priorities=pr, actor_id=self.actor_id, weight_version=self.version,
-                               env_steps=env)
+        tr = Transitions.concat(self._pending) if len(self._pending) > 1 else self._pending[0]
+        pr = self.worker.priorities(tr).astype(np.float32)
+        batch = TransitionBatch(**tr.as_dict(), priorities=pr, actor_id=self.actor_id, weight_version=self.version,
+                                env_steps=self._pending_env)
+        self._pending, self._pending_n, self._pending_env = [], 0, 0
+        return batch
 
     def run(self, max_decisions: Optional[int] = None, max_seconds: Optional[float] = None) -> dict:
         """Act until stopped (`stop()`, or the weight store's stop flag), or the limits."""
@@ -151,15 +156,15 @@ class RolloutActor:
                 break
             if n % self.pull_every == 0 and n:
                 self.pull_weights()
-                if self.store is not None:
-                    import ray
-                    if ray.get(self.store.should_stop.remote()):
-                        break
+                if self._stop_flag:
+                    break
             batch = self.step()
             n += 1
             if batch is not None:
                 self._send(batch)
                 self._metrics()
+        if self._pending_n:  # the partial chunk goes out too
+            self._send(self._make_batch())
         self.flush()
         return self.stats()
 

@@ -270,15 +270,18 @@ def bench_replay(repeats: int, seconds: float, capacity: int, batch: int, chunk:
 
 def _rllib_env_steps_per_s(num_env_runners: int, envs_per_runner: int, seconds: float) -> float:
     """RLlib (same Ray) sampling the project's gymnasium env with its env runners."""
-    import gymnasium as gym
     from ray.rllib.algorithms.ppo import PPOConfig
     from ray.tune.registry import register_env
 
-    import apex_bdq.sim.gym_env  # noqa: F401  (registers apex_bdq/Platform-v0)
-    register_env("apex_bdq_platform", lambda cfg: gym.make("apex_bdq/Platform-v0"))
+    def make_env(cfg):  # runs in each env runner process: import there
+        from gymnasium.wrappers import FlattenObservation
+
+        from apex_bdq.sim.gym_env import PlatformEnv
+        return FlattenObservation(PlatformEnv())  # RLlib's default encoders take flat boxes
+    register_env("apex_bdq_platform", make_env)
     cfg = (PPOConfig().environment("apex_bdq_platform")
            .env_runners(num_env_runners=num_env_runners, num_envs_per_env_runner=envs_per_runner,
-                        num_cpus_per_env_runner=1, rollout_fragment_length=200)
+                        num_cpus_per_env_runner=1, rollout_fragment_length="auto")
            .learners(num_learners=0))
     algo = cfg.build_algo()
     try:
@@ -309,7 +312,7 @@ def _route_ms(batch: int, repeats: int = 50) -> dict:
     cfg = TrainConfig()
     fields = transition_fields(cfg.net)
     sc = ShardConfig(capacity=100_000, fields=fields)
-    shard = remote_shard_class(num_cpus=0)(0, sc)
+    shard = remote_shard_class(num_cpus=0).remote(0, sc)
     rng = np.random.default_rng(0)
     m = 4096
     arr = {k: (rng.random((m, *f.shape)) * 4).astype(torch_np(f.dtype)) for k, f in fields.items()}
@@ -381,15 +384,33 @@ def bench_apex(actor_counts: list[int], seconds: float, shards_per_actor: int, r
                   f"ingest {res['transitions_per_s'].get(m, float('nan')):,.0f}/s, "
                   f"updates {res['learner_updates_per_s'].get(m, float('nan')):.1f}/s, "
                   f"learner waiting {res['learner_wait_share_by_actors'].get(m, float('nan')):.1%}", flush=True)
+        # The same run deciding every tick (no action repeat), the setting RLlib's runners use.
+        m = min(2, max(actor_counts))
+        pt = dataclasses.replace(cfg, agent=dataclasses.replace(cfg.agent, decision_ticks=1))
+        spec = ClusterSpec(num_actors=m, num_replay_shards=1, num_learners=1, shards_per_actor=shards_per_actor,
+                           actor_cpus=min(1.0, cpus / (m + 1)), learner_cpus=1, checkpoint_every_s=1e9)
+        marks_pt: list = []
+        run = ApexRun(pt, spec)
+        try:
+            run.run(minutes=seconds / 60.0, on_progress=lambda st: marks_pt.append((st["t_s"], st["env_steps"]))
+                    if "env_steps" in st else None)
+        finally:
+            run.shutdown()
+        half = [x for x in marks_pt if x[0] >= marks_pt[-1][0] / 2]
+        res["env_steps_per_s_per_tick_decisions"] = {m: (half[-1][1] - half[0][1]) / (half[-1][0] - half[0][0])}
+        print(f"{m} actors deciding every tick: env {res['env_steps_per_s_per_tick_decisions'][m]:,.0f}/s", flush=True)
         best = max(res["env_steps_per_s"], key=res["env_steps_per_s"].get)
         res["learner_wait_share"] = res["learner_wait_share_by_actors"].get(best)
         ray.shutdown()
         if rllib:
             local_ray_init(spec0, None, include_dashboard=False, log_to_driver=False)
-            res["rllib_env_steps_per_s"] = _rllib_env_steps_per_s(max(1, cpus - 1 if cpus > 2 else 1),
-                                                                  shards_per_actor, seconds / 2)
-            res["rllib_env_runners"] = max(1, cpus - 1 if cpus > 2 else 1)
+            # As many env runners as CPUs, 1 CPU each, each with shards_per_actor envs: RLlib
+            # gets the whole machine for sampling (no learner running beside it).
+            res["rllib_env_steps_per_s"] = _rllib_env_steps_per_s(cpus, shards_per_actor, seconds / 2)
+            res["rllib_env_runners"] = cpus
             res["ratio_vs_rllib"] = res["env_steps_per_s"][best] / res["rllib_env_steps_per_s"]
+            res["ratio_vs_rllib_per_tick_decisions"] = (res["env_steps_per_s_per_tick_decisions"][m] /
+                                                        res["rllib_env_steps_per_s"])
     finally:
         if ray.is_initialized():
             ray.shutdown()

@@ -32,9 +32,11 @@ from launch._io import save_figure, write_json
 PRESETS = {
     # The README's main job: ~9 minutes of learning on 2 cores, then the full evaluation.
     # A compact network: on 2 CPU cores the learner's update rate, not data, is the limit.
+    # A decision every 30 ticks (2 updates per decision keep the learner busy): see README,
+    # "Why the learner preferred too little capacity".
     "default": TrainConfig(net=NetConfig.for_sim(SimConfig(), macro_hidden=64, micro_channels=16, z_dim=128,
                                                  head_hidden=64),
-                           agent=AgentConfig(lr=3e-4)),
+                           agent=AgentConfig(lr=3e-4, decision_ticks=30, updates_per_decision=2.0)),
     # For tests: seconds, not minutes.
     "smoke": TrainConfig(
         sim=SimConfig(num_shards=8, seed=1),
@@ -232,7 +234,8 @@ def run_distributed(cfg: TrainConfig, a, spec) -> dict:
         saved = train_config_from_dict(resume["config"])
         if dataclasses.asdict(saved.net) != dataclasses.asdict(cfg.net):
             raise CheckpointError(f"checkpoint {a.resume!r} was trained with network {saved.net}, this run has {cfg.net}")
-    local_ray_init(spec, a.address, include_dashboard=a.dashboard, log_to_driver=not a.quiet)
+    local_ray_init(spec, a.address, **({} if a.address else {"include_dashboard": not a.no_dashboard}),
+                   log_to_driver=not a.quiet)
     run = ApexRun(cfg, spec, resume=resume)
     hpa_cache: dict = {}
     bar = None
@@ -318,7 +321,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     g.add_argument("--samples-per-insert", type=float, help="rate limiter ratio (default: off, Ape-X style)")
     g.add_argument("--max-restarts", type=int, default=0, help="restarts of actors, shards and learners")
     g.add_argument("--storage-path", help="Ray Train storage (checkpoints); default: a temp dir")
-    g.add_argument("--dashboard", action="store_true", help="start the Ray dashboard with the local cluster")
+    g.add_argument("--no-dashboard", action="store_true",
+                   help="start the local cluster without the Ray dashboard (saves ~1 s and ~100 MB; Ray Train's "
+                        "state queries then fail and log warnings)")
     a = ap.parse_args(argv)
     cfg = PRESETS[a.preset]
     try:

@@ -104,7 +104,8 @@ class Prefetcher:
         self.q: queue.Queue = queue.Queue(maxsize=depth)
         self.stop = threading.Event()
         self.error: Optional[BaseException] = None
-        self.wait_s = 0.0
+        self.wait_s = 0.0  # time the learner waited for a batch after the first one
+        self.delivered = 0
         self.sample_ms = float("nan")
         self.t = threading.Thread(target=self._run, name="replay-prefetch", daemon=True)
         self.t.start()
@@ -138,11 +139,14 @@ class Prefetcher:
                 raise RuntimeError(f"replay sampling failed: {self.error!r}") from self.error
             try:
                 item = self.q.get(timeout=0.05)
-                self.wait_s += time.perf_counter() - t0
+                if self.delivered:  # waiting for the replay's first fill is warm-up, not starvation
+                    self.wait_s += time.perf_counter() - t0
+                self.delivered += 1
                 return item
             except queue.Empty:
                 if time.perf_counter() - t0 > timeout_s:
-                    self.wait_s += time.perf_counter() - t0
+                    if self.delivered:
+                        self.wait_s += time.perf_counter() - t0
                     return None
 
     def close(self) -> None:
@@ -248,14 +252,17 @@ def train_loop_per_worker(config: dict) -> None:
             M.record(M.SAMPLE_LATENCY_MS, pre.sample_ms, "learner", rank)
         m_last[:] = [updates, step_i]
 
-    def report(final: bool) -> None:
+    def current_metrics(final: bool) -> dict:
         el = time.perf_counter() - t0
         waited = pre.wait_s if pre is not None else 0.0
-        metrics = {"updates": updates, "version": version, "td_loss": last["loss"], "q_mean": last["q_mean"],
+        return {"updates": updates, "version": version, "td_loss": last["loss"], "q_mean": last["q_mean"],
                    "updates_per_s": step_i / max(el, 1e-9), "learner_wait_share": waited / max(waited + compute_s, 1e-9),
                    "route": route, "rank": rank, "world_size": world, "final": final, "elapsed_s": el,
                    "node_id": ray.get_runtime_context().get_node_id(), "backend": backend.name,
                    "sample_ms": pre.sample_ms if pre is not None else float("nan")}
+
+    def report(final: bool) -> None:
+        metrics = current_metrics(final)
         ck = None
         if rank == 0:
             if store is not None:
@@ -320,6 +327,8 @@ def train_loop_per_worker(config: dict) -> None:
             if updates % publish_every == 0:
                 publish()
                 record_metrics()
+                if store is not None and rank == 0:  # live figures for the driver's progress line
+                    store.report.remote(current_metrics(False))
     finally:
         if pre is not None:
             pre.close()

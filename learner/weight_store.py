@@ -35,6 +35,10 @@ class WeightStore:
     def get_if_newer(self, version: int) -> Optional[tuple[int, list]]:
         return (self.version, self._ref) if self.version > version else None
 
+    def poll(self, version: int) -> dict:
+        """What an actor asks every K decisions, in one call: newer weights and the stop flag."""
+        return {"weights": self.get_if_newer(version), "stop": self.stop}
+
     def get_version(self) -> int:
         return self.version
 

@@ -128,7 +128,7 @@ def test_rollout_actor_backpressure_bounds_chunks_in_flight(ray_local):
     shard = SlowShard.remote()
     cfg = dataclasses.replace(SMOKE, sim=SMOKE.sim.replace(num_shards=2))
     Actor = remote_actor_class(num_cpus=0.5)
-    act = Actor.remote(0, 1, cfg, [shard], None, 2, 10)
+    act = Actor.remote(0, 1, cfg, [shard], None, 2, 10, 2)  # a chunk every decision
     st = ray.get(act.run.remote(max_decisions=40))
     peak, rows = ray.get(shard.stats.remote())
     assert peak <= 2

@@ -79,13 +79,16 @@ def test_actor_epsilon_ladder_is_apex_per_explorer():
 
 def test_rollout_actor_emits_typed_chunks_with_priorities():
     cfg = dataclasses.replace(SMOKE, sim=SMOKE.sim.replace(num_shards=4))
-    act = RolloutActor(1, 2, cfg, replay_shards=["unused"])
-    chunks = [b for b in (act.step() for _ in range(cfg.agent.n_step + 3)) if b is not None]
-    assert chunks, "n-step transitions should come out after n decisions"
-    b = chunks[0]
-    assert isinstance(b, TransitionBatch) and b.actor_id == 1 and len(b) == 4
-    assert b.priorities.shape == (4,) and np.isfinite(b.priorities).all() and (b.priorities >= 0).all()
-    assert b.env_steps == 4 * cfg.agent.decision_ticks
+    act = RolloutActor(1, 2, cfg, replay_shards=["unused"], chunk_transitions=8)
+    out = []
+    for i in range(cfg.agent.n_step + 1):
+        out.append(act.step())
+    # n-step transitions start after n decisions (4 shards each); 8 make a chunk.
+    assert all(b is None for b in out[:-1])
+    b = out[-1]
+    assert isinstance(b, TransitionBatch) and b.actor_id == 1 and len(b) == 8
+    assert b.priorities.shape == (8,) and np.isfinite(b.priorities).all() and (b.priorities >= 0).all()
+    assert b.env_steps == act.worker.env_steps == (cfg.agent.n_step + 1) * 4 * cfg.agent.decision_ticks
     np.testing.assert_allclose(act.eps, actor_epsilons(cfg.agent, 1, 2, 4))
     with pytest.raises(ValueError, match="actor_id"):
         RolloutActor(2, 2, cfg, replay_shards=["x"])
