@@ -22,7 +22,7 @@ LEARNER_UPDATES = "apex_learner_updates"  # counter
 LEARNER_UPDATES_PER_S = "apex_learner_updates_per_s"  # gauge
 TD_LOSS = "apex_td_loss"  # gauge
 MEAN_Q = "apex_mean_q"  # gauge
-WEIGHT_VERSION_LAG = "apex_weight_version_lag"  # gauge: learner version - slowest actor's version
+WEIGHT_VERSION_LAG = "apex_weight_version_lag"  # gauge: learner updates - oldest version acting
 ACTOR_COUNT = "apex_actor_count"  # gauge: rollout actors alive
 ALL = (ENV_STEPS, ENV_STEPS_PER_S, TRANSITIONS_INSERTED, TRANSITIONS_SAMPLED, REPLAY_SIZE, SAMPLE_LATENCY_MS,
        LEARNER_UPDATES, LEARNER_UPDATES_PER_S, TD_LOSS, MEAN_Q, WEIGHT_VERSION_LAG, ACTOR_COUNT)
@@ -39,7 +39,7 @@ _DESCRIPTIONS = {
     LEARNER_UPDATES_PER_S: "learner gradient updates per second",
     TD_LOSS: "latest TD loss",
     MEAN_Q: "mean Q of the sampled actions in the latest batch",
-    WEIGHT_VERSION_LAG: "learner weight version minus the oldest version acting",
+    WEIGHT_VERSION_LAG: "learner updates made since the weights the oldest-acting actor uses",
     ACTOR_COUNT: "rollout actors alive",
 }
 _TAGS = ("component", "id")

@@ -173,7 +173,10 @@ class ApexRun:
         shards = ray.get([sh.stats.remote() for sh in self.shards])
         actors = ray.get([a.stats.remote() for a in self.actors])
         versions = [x["weight_version"] for x in actors]
-        lag = max(0, st["version"] - min(versions)) if versions and st["version"] >= 0 else 0
+        # Staleness of the acting weights in learner updates: the learner's newest update
+        # (published or not) minus the oldest version an actor acts with.
+        newest = max(st["version"], int((st["learner"] or {}).get("updates", -1)))
+        lag = max(0, newest - min(versions)) if versions and st["version"] >= 0 else 0
         self.store.record_driver_metrics.remote(lag, len(actors))
         return {"version": st["version"], "learner": st["learner"], "weight_lag": lag,
                 "replay_size": sum(x["size"] for x in shards), "inserted": sum(x["inserted"] for x in shards),

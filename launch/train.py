@@ -318,7 +318,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     g.add_argument("--num-learners", type=int, default=1, help="Ray Train workers")
     g.add_argument("--backend", default="ddp", choices=("ddp", "deepspeed", "accelerate"))
     g.add_argument("--use-gpu", action="store_true", help="learners (and replay storage) on GPUs")
-    g.add_argument("--samples-per-insert", type=float, help="rate limiter ratio (default: off, Ape-X style)")
+    g.add_argument("--samples-per-insert", type=float,
+                   help="rate limiter: transitions sampled per transition inserted (default: off, Ape-X style)")
+    g.add_argument("--error-buffer", type=float,
+                   help="rate limiter slack in sampled transitions (default: 4096 x samples-per-insert)")
     g.add_argument("--max-restarts", type=int, default=0, help="restarts of actors, shards and learners")
     g.add_argument("--storage-path", help="Ray Train storage (checkpoints); default: a temp dir")
     g.add_argument("--no-dashboard", action="store_true",
@@ -343,6 +346,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             spec = ClusterSpec(num_actors=a.num_actors, num_replay_shards=a.num_replay_shards,
                                num_learners=a.num_learners, backend=a.backend, use_gpu=a.use_gpu,
                                shards_per_actor=a.shards_per_actor, samples_per_insert=a.samples_per_insert,
+                               error_buffer=(a.error_buffer if a.error_buffer is not None else
+                                             4096 * (a.samples_per_insert or 0.0)),
                                replay_gpus=0.25 if a.use_gpu else 0.0, max_restarts=a.max_restarts,
                                storage_path=os.path.abspath(a.storage_path) if a.storage_path else None)
     except (ConfigError, TraceError, CheckpointError) as e:

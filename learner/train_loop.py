@@ -227,6 +227,7 @@ def train_loop_per_worker(config: dict) -> None:
     budget = float(config.get("minutes", cfg.minutes)) * 60.0
     max_updates = config.get("max_updates")
     publish_every = int(config.get("publish_every", 50))
+    report_every = max(1, publish_every // 5)
     ckpt_every = float(config.get("checkpoint_every_s", 60.0))
     t0 = time.perf_counter()
     last_ckpt = t0
@@ -327,8 +328,8 @@ def train_loop_per_worker(config: dict) -> None:
             if updates % publish_every == 0:
                 publish()
                 record_metrics()
-                if store is not None and rank == 0:  # live figures for the driver's progress line
-                    store.report.remote(current_metrics(False))
+            if store is not None and rank == 0 and updates % report_every == 0:
+                store.report.remote(current_metrics(False))  # live figures: progress line, weight lag
     finally:
         if pre is not None:
             pre.close()

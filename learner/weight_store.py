@@ -72,4 +72,4 @@ def state_to_numpy(module) -> dict:
 
 def load_numpy_state(module, state: dict) -> None:
     import torch
-    module.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()})
+    module.load_state_dict({k: torch.tensor(v) for k, v in state.items()})  # copies: arrays from the object store are read-only
