@@ -6,17 +6,9 @@ import os
 import pytest
 import torch
 
-from replay_server.replay import FieldSpec, PrioritizedReplay
+from replay_server.replay import PrioritizedReplay
 from replay_server.shared import SharedArena
-
-FIELDS = {"obs": FieldSpec((3,), torch.float32), "action": FieldSpec((2,), torch.uint8),
-          "step": FieldSpec((), torch.int64)}
-
-
-def rows(m: int, start: int = 0) -> dict:
-    i = torch.arange(start, start + m)
-    return {"obs": i[:, None].float().repeat(1, 3), "action": (i[:, None] % 5).to(torch.uint8).repeat(1, 2),
-            "step": i}
+from test_replay import FIELDS, rows  # the same fields and rows as the in-process replay tests
 
 
 def _child(spec, q):
@@ -34,8 +26,10 @@ def _child(spec, q):
         q.put(repr(e))
 
 
-def test_attached_process_samples_and_updates_in_place():
-    arena = SharedArena.create("cpu", tag="test")
+def _owner_and_child(device: str) -> None:
+    """The owner writes 20 rows; a spawned process attaches, samples, updates priorities in
+    place and inserts 4 rows; the owner then sees all of it."""
+    arena = SharedArena.create(device, tag="test")
     try:
         rb = PrioritizedReplay(32, FIELDS, shared=arena, seed=1)
         rb.add(rows(20), torch.ones(20))
@@ -53,9 +47,13 @@ def test_attached_process_samples_and_updates_in_place():
         # The owner sees the child's priority update: slot 5 now dominates sampling.
         s = rb.sample(256)
         assert (s.indices == 5).float().mean() > 0.9
-        assert float(rb.tree.get(torch.tensor([6]))) == pytest.approx(1.0, rel=1e-5)  # stale update ignored
+        assert float(rb.tree.get(torch.tensor([6], device=rb.device))) == pytest.approx(1.0, rel=1e-5)  # stale: ignored
     finally:
         arena.unlink()
+
+
+def test_attached_process_samples_and_updates_in_place():
+    _owner_and_child("cpu")
 
 
 def test_attach_refuses_a_different_layout_and_a_missing_file():
@@ -74,17 +72,4 @@ def test_attach_refuses_a_different_layout_and_a_missing_file():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_cuda_ipc_attach_in_another_process():
-    arena = SharedArena.create("cuda", tag="test")
-    rb = PrioritizedReplay(32, FIELDS, shared=arena, seed=1)
-    rb.add(rows(20), torch.ones(20))
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    p = ctx.Process(target=_child, args=(rb.shared_spec(), q))
-    p.start()
-    out = q.get(timeout=120)
-    p.join(60)
-    assert not isinstance(out, str), out
-    assert out[0] and out[1] == 1 and rb.size == 24
-    s = rb.sample(256)
-    assert (s.indices == 5).float().mean() > 0.9
-    arena.unlink()
+    _owner_and_child("cuda")
