@@ -46,16 +46,6 @@ PRESETS = {
 }
 
 
-def _fields(cfg: TrainConfig):
-    from replay_server.replay import FieldSpec
-    n = cfg.net
-    micro = (n.num_classes, n.history, n.micro_features)
-    return {"macro": FieldSpec((n.macro_features,), torch.float32), "micro": FieldSpec(micro, torch.float32),
-            "action": FieldSpec((n.num_branches,), torch.uint8), "reward": FieldSpec((), torch.float32),
-            "discount": FieldSpec((), torch.float32), "next_macro": FieldSpec((n.macro_features,), torch.float32),
-            "next_micro": FieldSpec(micro, torch.float32)}
-
-
 def evaluate_against_hpa(net, cfg: TrainConfig, ticks: Optional[int], shards: int, hpa_cache: dict) -> dict:
     """Greedy `net` and Kubernetes HPA on the held-out range (HPA, deterministic for a config,
     is evaluated once per setting and cached in `hpa_cache`)."""
@@ -77,6 +67,7 @@ class LocalTrainer:
         from actors.rollout import RolloutWorker
         from learner.learner import Learner
         from replay_server.replay import PrioritizedReplay
+        from replay_server.replay_actor import transition_fields
         self.cfg = cfg
         torch.set_num_threads(cfg.torch_threads)
         a = cfg.agent
@@ -86,7 +77,7 @@ class LocalTrainer:
         # is the same object, so weights are always current: version lag 0).
         self.rollout = RolloutWorker(cfg.sim, a, self.learner.net, seed=cfg.seed)
         # Replay: transitions with initial priorities from the rollout, sampled by the learner.
-        self.replay = PrioritizedReplay(a.replay_capacity, _fields(cfg), device=device, alpha=a.alpha,
+        self.replay = PrioritizedReplay(a.replay_capacity, transition_fields(cfg.net), device=device, alpha=a.alpha,
                                         beta0=a.beta0, beta_steps=a.beta_steps, seed=cfg.seed)
         self.decisions = 0
         self.update_credit = 0.0

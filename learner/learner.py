@@ -13,6 +13,22 @@ from apex_bdq.losses import bdq_td_loss
 from apex_bdq.networks import BDQNetwork, NetConfig
 
 
+def batch_td_loss(forward, module: BDQNetwork, target: BDQNetwork, data: dict, weights: torch.Tensor,
+                  cfg: AgentConfig, where: str = "") -> tuple[torch.Tensor, dict]:
+    """The BDQ TD loss of a sampled batch: `forward` (the trained model, possibly wrapped by
+    DDP / DeepSpeed / Accelerate) gives Q(s) with gradients, the bare `module` picks a* at s'
+    and `target` evaluates it. A non-finite loss raises, naming `where`."""
+    q = forward(data["macro"], data["micro"])  # [B, D, n]
+    with torch.no_grad():
+        q_next_online = module(data["next_macro"], data["next_micro"])
+        q_next_target = target(data["next_macro"], data["next_micro"])
+    loss, ex = bdq_td_loss(q, data["action"].long(), data["reward"], data["discount"], q_next_online, q_next_target,
+                           weights, huber_delta=cfg.huber_delta, priority=cfg.priority_rule)
+    if not torch.isfinite(loss):
+        raise FloatingPointError(f"TD loss is {loss.item()} {where}: check rewards and lr")
+    return loss, ex
+
+
 class Learner:
     def __init__(self, net_cfg: NetConfig, agent_cfg: AgentConfig, device: str | torch.device = "cpu",
                  seed: int = 0) -> None:
@@ -28,15 +44,8 @@ class Learner:
     def update(self, data: dict, weights: torch.Tensor) -> dict:
         """One gradient step on a sampled batch; returns metrics and new priorities [B]."""
         c = self.cfg
-        q = self.net(data["macro"], data["micro"])  # [B, D, n]
-        with torch.no_grad():
-            q_next_online = self.net(data["next_macro"], data["next_micro"])
-            q_next_target = self.target(data["next_macro"], data["next_micro"])
-        loss, ex = bdq_td_loss(q, data["action"].long(), data["reward"], data["discount"], q_next_online,
-                               q_next_target, weights.to(self.device), huber_delta=c.huber_delta,
-                               priority=c.priority_rule)
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"TD loss is {loss.item()} at update {self.updates}: check rewards and lr")
+        loss, ex = batch_td_loss(self.net, self.net, self.target, data, weights.to(self.device), c,
+                                 f"at update {self.updates}")
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.net.parameters(), c.grad_clip)

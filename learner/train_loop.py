@@ -31,8 +31,8 @@ import torch
 
 from apex_bdq.checkpoint import config_to_dict, save_checkpoint
 from apex_bdq.config import train_config_from_dict
-from apex_bdq.losses import bdq_td_loss
 from apex_bdq.networks import BDQNetwork
+from learner.learner import batch_td_loss
 from replay_server.rate_limiter import RateLimiter
 from replay_server.replay import PrioritizedReplay
 
@@ -307,14 +307,8 @@ def train_loop_per_worker(config: dict) -> None:
             j, idx, gen, w, data = held
             held = None
             tc = time.perf_counter()
-            q = backend.forward(data["macro"], data["micro"])
-            with torch.no_grad():
-                qn_online = backend.module(data["next_macro"], data["next_micro"])
-                qn_target = target(data["next_macro"], data["next_micro"])
-            loss, ex = bdq_td_loss(q, data["action"].long(), data["reward"], data["discount"], qn_online, qn_target,
-                                   w, huber_delta=a.huber_delta, priority=a.priority_rule)
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"rank {rank}: TD loss is {loss.item()} at update {updates}")
+            loss, ex = batch_td_loss(backend.forward, backend.module, target, data, w, a,
+                                     f"on rank {rank} at update {updates}")
             backend.step(loss)
             compute_s += time.perf_counter() - tc
             if j is not None:

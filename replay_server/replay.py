@@ -185,15 +185,16 @@ class PrioritizedReplay:
         m = self._check_batch(batch)
         if priorities is not None and priorities.shape != (m,):
             raise ReplayError(f"priorities must be [M={m}], got {list(priorities.shape)}")
-        if priorities is not None:
-            self._leaf_values(priorities)  # validate before anything is written
         if m == 0:
             empty = torch.empty(0, dtype=torch.long, device=self.device)
             return empty, empty
+        keep = min(m, self.capacity)  # a batch larger than the ring keeps its newest rows
+        # Leaf values are computed (and validated) before anything is written, outside the lock.
+        leaf = None if priorities is None else self._leaf_values(priorities)[m - keep:]
         with self.lock:
-            return self._add(batch, priorities, m)
+            return self._add(batch, priorities, leaf, m)
 
-    def _add(self, batch, priorities, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _add(self, batch, priorities, leaf, m: int) -> tuple[torch.Tensor, torch.Tensor]:
         next_slot, writes = self.next_slot, self.writes
         keep = min(m, self.capacity)  # a batch larger than the ring keeps its newest rows
         src = slice(m - keep, m)
@@ -209,11 +210,10 @@ class PrioritizedReplay:
                 dst[d] = t[s_].to(self.device, dst.dtype, non_blocking=True)
         gens = writes + (m - keep) + self._arange(keep)
         self.generation[slots] = gens
-        if priorities is None:
+        if leaf is None:
             leaf = ((self._max_p + self.eps) ** self.alpha).expand(keep)
         else:
             pr = priorities[src]
-            leaf = self._leaf_values(pr)
             torch.maximum(self._max_p, pr.max().to(self.device, torch.float64), out=self._max_p)
         self.tree.update_range(next_slot, leaf[:first])
         if first < keep:
