@@ -130,17 +130,9 @@ def _rss_mb(field: str = "VmRSS") -> float:
 
 def _replay_fields():
     """Transition fields with the simulator's real shapes (default SimConfig)."""
-    import torch
-
-    from apex_bdq.config import SimConfig
-    from apex_bdq.sim.platform import MACRO_FEATURES, MICRO_FEATURES
-    from replay_server.replay import FieldSpec
-    c = SimConfig()
-    fm, micro = len(MACRO_FEATURES), (c.num_classes, c.history, len(MICRO_FEATURES))
-    return {"macro": FieldSpec((fm,), torch.float32), "micro": FieldSpec(micro, torch.float32),
-            "action": FieldSpec((c.num_branches,), torch.uint8), "reward": FieldSpec((), torch.float32),
-            "discount": FieldSpec((), torch.float32), "next_macro": FieldSpec((fm,), torch.float32),
-            "next_micro": FieldSpec(micro, torch.float32)}
+    from apex_bdq.config import NetConfig, SimConfig
+    from replay_server.replay_actor import transition_fields
+    return transition_fields(NetConfig.for_sim(SimConfig()))
 
 
 def _chunk(fields, m: int, seed: int):
@@ -307,18 +299,16 @@ def _route_ms(batch: int, repeats: int = 50) -> dict:
     memory and (b) through the shard's RPC and the object store."""
     import ray
 
-    from apex_bdq.config import TrainConfig
     from replay_server.replay import PrioritizedReplay
-    from replay_server.replay_actor import ShardConfig, TransitionBatch, remote_shard_class, transition_fields
-    cfg = TrainConfig()
-    fields = transition_fields(cfg.net)
+    from replay_server.replay_actor import ShardConfig, TransitionBatch, remote_shard_class
+    fields = _replay_fields()
     sc = ShardConfig(capacity=100_000, fields=fields)
     shard = remote_shard_class(num_cpus=0).remote(0, sc)
-    rng = np.random.default_rng(0)
     m = 4096
-    arr = {k: (rng.random((m, *f.shape)) * 4).astype(torch_np(f.dtype)) for k, f in fields.items()}
-    for _ in range(10):
-        ray.get(shard.add.remote(TransitionBatch(**arr, priorities=rng.random(m).astype(np.float32))))
+    for i in range(10):
+        arr = {k: v.numpy() for k, v in _chunk(fields, m, seed=i).items()}
+        pr = np.random.default_rng(i).random(m).astype(np.float32)
+        ray.get(shard.add.remote(TransitionBatch(**arr, priorities=pr)))
     spec = ray.get(shard.shared_spec.remote())
     rb = PrioritizedReplay.attach(spec, sc.capacity, fields)
     def local_step():
@@ -343,11 +333,6 @@ def _route_ms(batch: int, repeats: int = 50) -> dict:
     ray.kill(shard)
     res["object_store_over_shared"] = res["object_store_ms"] / res["shared_memory_ms"]
     return res
-
-
-def torch_np(dtype):
-    import torch
-    return torch.empty((), dtype=dtype).numpy().dtype
 
 
 def bench_apex(actor_counts: list[int], seconds: float, shards_per_actor: int, rllib: bool, plot: str | None) -> dict:

@@ -41,20 +41,13 @@ def _timed(fn, n: int) -> list[float]:
 
 
 def _fields():
-    from launch.train import PRESETS
-    from replay_server.replay_actor import transition_fields
-    return transition_fields(PRESETS["default"].net)
+    from launch.bench import _replay_fields
+    return _replay_fields()
 
 
 def _chunk(fields, m: int, device: str) -> dict:
-    g = torch.Generator(device="cpu").manual_seed(0)
-    out = {}
-    for k, f in fields.items():
-        if f.dtype.is_floating_point:
-            out[k] = torch.rand((m, *f.shape), generator=g).to(device)
-        else:
-            out[k] = torch.randint(0, 5, (m, *f.shape), generator=g).to(f.dtype).to(device)
-    return out
+    from launch.bench import _chunk as host_chunk
+    return {k: v.to(device) for k, v in host_chunk(fields, m, seed=0).items()}
 
 
 def check_replay(capacity: int) -> dict:
