@@ -3,7 +3,9 @@
 Acts per-branch epsilon-greedily with the Ape-X ladder over its shards, accumulates n-step
 transitions, and computes their initial priorities with its own network copy, so replay
 receives them ready to sample. The Ray actor of the distributed issue is a thin shell
-around this class.
+around this class. With preferences on, it also cuts T-decision segments of a few shards
+for the preference actor, explores with the preference head's softmax, and can shape the
+reward with its utilities.
 """
 
 from __future__ import annotations
@@ -13,16 +15,69 @@ from typing import Optional
 import numpy as np
 import torch
 
-from apex_bdq.config import AgentConfig, SimConfig
+from apex_bdq.config import AgentConfig, PreferenceConfig, SimConfig
 from apex_bdq.nstep import NStepAccumulator, Transitions
 from apex_bdq.networks import BDQNetwork
+from apex_bdq.preference import Segment
 from apex_bdq.sim.platform import PlatformSim
 from learner.learner import Explorer
 
 
+class SegmentRecorder:
+    """Cuts every shard's stream into T-decision segments and keeps `per_emit` random ones
+    of each cut (observations, actions, preference metrics, per-tick series)."""
+
+    def __init__(self, num_shards: int, cfg: PreferenceConfig, rng: np.random.Generator, source: str) -> None:
+        self.S, self.cfg, self.rng, self.source = num_shards, cfg, rng, source
+        self.ready: list[Segment] = []
+        self._clear()
+
+    def _clear(self) -> None:
+        self.macro, self.micro, self.action = [], [], []
+        self.ticks = {k: [] for k in ("overload", "fairness", "slo", "load", "capacity", "p99_ms")}
+
+    def decision(self, macro: np.ndarray, micro: np.ndarray, action: np.ndarray) -> None:
+        self.macro.append(macro.copy())
+        self.micro.append(micro.copy())
+        self.action.append(action.copy())
+
+    def tick(self, info: dict, overload: np.ndarray) -> None:
+        t = self.ticks
+        t["overload"].append(overload)
+        t["fairness"].append(info["fairness"])
+        t["slo"].append(info["slo_violation"])
+        t["load"].append(info["offered_erlangs"])
+        t["capacity"].append(info["servers"])
+        arr = info["arrivals"]
+        t["p99_ms"].append((info["p99_s"] * arr).sum(1) / np.maximum(arr.sum(1), 1e-9) * 1e3)
+
+    def end_decision(self, version: int) -> None:
+        if len(self.action) < self.cfg.segment_decisions:
+            return
+        tk = {k: np.stack(v, 1) for k, v in self.ticks.items()}  # [S, ticks]
+        macro, micro, action = np.stack(self.macro, 1), np.stack(self.micro, 1), np.stack(self.action, 1)
+        for i in self.rng.choice(self.S, size=min(self.cfg.segments_per_emit, self.S), replace=False):
+            self.ready.append(Segment(
+                id=Segment.new_id(), macro=macro[i], micro=micro[i], action=action[i].astype(np.int64),
+                metrics={"overload": float(tk["overload"][i].mean()), "unfairness": float(1 - tk["fairness"][i].mean()),
+                         "slo_violation": float(tk["slo"][i].mean())},
+                series={"load": tk["load"][i], "capacity": tk["capacity"][i], "p99_ms": tk["p99_ms"][i]},
+                source=f"{self.source}/shard{i}", version=version))
+        self._clear()
+
+    def reset(self) -> None:
+        """An episode ended: a segment never spans two episodes."""
+        self._clear()
+
+    def take(self) -> list[Segment]:
+        out, self.ready = self.ready, []
+        return out
+
+
 class RolloutWorker:
     def __init__(self, sim_cfg: SimConfig, agent_cfg: AgentConfig, net: BDQNetwork,
-                 epsilons: Optional[np.ndarray] = None, seed: int = 0) -> None:
+                 epsilons: Optional[np.ndarray] = None, seed: int = 0,
+                 pref_cfg: Optional[PreferenceConfig] = None, source: str = "rollout") -> None:
         self.sim = PlatformSim(sim_cfg.replace(seed=seed))
         self.cfg = agent_cfg
         self.net = net
@@ -30,8 +85,16 @@ class RolloutWorker:
         if self.eps.shape != (sim_cfg.num_shards,):
             raise ValueError(f"epsilons must be one per shard ({sim_cfg.num_shards}), got {self.eps.shape}")
         self.rng = np.random.default_rng(seed + 1)
+        self.pref = pref_cfg if pref_cfg is not None and pref_cfg.enabled else None
+        steer = self.pref is not None and self.pref.explore_softmax and net.pref is not None
         self.explorer = Explorer(sim_cfg.num_shards, sim_cfg.num_branches, self.eps, self.rng,
-                                 agent_cfg.explore_hold_mu, agent_cfg.explore_max_hold)
+                                 agent_cfg.explore_hold_mu, agent_cfg.explore_max_hold,
+                                 softmax_temperature=self.pref.temperature if steer else 0.0)
+        self.shaping = self.pref.shaping if self.pref is not None and net.pref is not None else 0.0
+        self.recorder = SegmentRecorder(sim_cfg.num_shards, self.pref, self.rng, source) if self.pref else None
+        self.overload_util = (pref_cfg or PreferenceConfig()).overload_utilisation
+        self.overload_ticks = 0  # shard-ticks above the utilisation threshold (exploration safety)
+        self.version = 0  # of the weights acting; stamped on segments
         # Discount per decision: gamma^k for a decision held k ticks.
         self.nstep = NStepAccumulator(sim_cfg.num_shards, agent_cfg.n_step, agent_cfg.gamma ** agent_cfg.decision_ticks)
         self.obs = self.sim.reset(seed=seed)
@@ -43,18 +106,34 @@ class RolloutWorker:
         """One decision of every shard: act, hold the action for `decision_ticks` ticks,
         and return the n-step transitions (over decisions) completed by it (or None)."""
         o = self.obs
-        actions, _ = self.explorer.act(self.net, o.macro, o.micro)
+        actions, _ = self.explorer.act(self.net, o.macro, o.micro, want_utilities=self.shaping > 0)
+        if self.recorder is not None:
+            self.recorder.decision(o.macro, o.micro, actions)
         k, g = self.cfg.decision_ticks, self.cfg.gamma
         block = np.zeros(self.sim.S)  # discounted reward of the held action
         truncated = False
+        lam = self.cfg.slo_penalty
         for i in range(k):
-            nxt, reward, truncated, _ = self.sim.step(actions)
+            nxt, reward, truncated, info = self.sim.step(actions)
             self.env_steps += self.sim.S
             self.episode_reward += reward
+            over = info["utilisation"] > self.overload_util  # [S]
+            self.overload_ticks += int(over.sum())
+            if self.recorder is not None:
+                self.recorder.tick(info, over)
+            if lam and info["window_violated"] is not None:
+                reward = reward - lam * info["window_violated"].sum(1)  # [S] broken class-windows
             block += (g ** i) * reward
             if truncated:
                 break
-        out = self.nstep.push(o.macro, o.micro, actions, block * self.cfg.reward_scale, nxt.macro, nxt.micro)
+        block *= self.cfg.reward_scale
+        if self.shaping > 0 and self.explorer.utilities is not None:
+            u = self.explorer.utilities  # [S, D, n]
+            centred = u - u.mean(-1, keepdims=True)
+            block += self.shaping * np.take_along_axis(centred, actions[..., None], -1)[..., 0].sum(-1)
+        if self.recorder is not None:
+            self.recorder.end_decision(self.version)
+        out = self.nstep.push(o.macro, o.micro, actions, block, nxt.macro, nxt.micro)
         if truncated:
             tail = self.nstep.flush(nxt.macro, nxt.micro)
             out = tail if out is None else Transitions.concat([out, tail])
@@ -62,6 +141,8 @@ class RolloutWorker:
             self.episode_reward[:] = 0
             nxt = self.sim.reset()
             self.explorer.reset()
+            if self.recorder is not None:
+                self.recorder.reset()
         self.obs = nxt
         return out
 

@@ -43,7 +43,9 @@ def actor_epsilons(agent_cfg, actor_id: int, num_actors: int, shards_per_actor: 
 class RolloutActor:
     def __init__(self, actor_id: int, num_actors: int, cfg: TrainConfig | dict, replay_shards: list,
                  weight_store=None, max_in_flight: int = 4, weight_pull_every: int = 20,
-                 chunk_transitions: int = 256) -> None:
+                 chunk_transitions: int = 256, preference=None) -> None:
+        """preference: the PreferenceActor handle of a run with pref.enabled; segments of a
+        few shards go to it every T decisions (fire-and-forget, at most 4 batches in flight)."""
         if not 0 <= actor_id < num_actors:
             raise ValueError(f"actor_id must be in [0, {num_actors}), got {actor_id}")
         if not replay_shards:
@@ -59,7 +61,12 @@ class RolloutActor:
         self.net = BDQNetwork(self.cfg.net)
         self.net.eval()
         seed = self.cfg.seed + 7919 * (actor_id + 1)
-        self.worker = RolloutWorker(self.cfg.sim, self.cfg.agent, self.net, epsilons=self.eps, seed=seed)
+        self.preference = preference if self.cfg.pref.enabled else None
+        self.worker = RolloutWorker(self.cfg.sim, self.cfg.agent, self.net, epsilons=self.eps, seed=seed,
+                                    pref_cfg=self.cfg.pref if self.preference is not None else None,
+                                    source=f"actor{actor_id}")
+        self.segments_in_flight: list = []
+        self.segments_sent = 0
         self.shards = list(replay_shards)
         self.store = weight_store
         self.max_in_flight, self.pull_every = max_in_flight, weight_pull_every
@@ -91,12 +98,14 @@ class RolloutActor:
         from learner.weight_store import load_numpy_state
         load_numpy_state(self.net, ray.get(ref))
         self.version = version
+        self.worker.version = version
         return True
 
     def set_weights(self, state: dict, version: int) -> None:
         from learner.weight_store import load_numpy_state
         load_numpy_state(self.net, state)
         self.version = version
+        self.worker.version = version
 
     # -- sending ---------------------------------------------------------------------------
     def _send(self, batch: TransitionBatch) -> None:
@@ -110,6 +119,17 @@ class RolloutActor:
         self.next_shard = (self.next_shard + 1) % len(self.shards)
         self.in_flight.append(shard.add.remote(batch))
         self.sent += len(batch)
+
+    def _send_segments(self) -> None:
+        import ray
+        segs = self.worker.recorder.take()
+        if not segs:
+            return
+        if len(self.segments_in_flight) >= 4:
+            done, self.segments_in_flight = ray.wait(self.segments_in_flight, num_returns=1)
+            ray.get(done)  # surfaces a refusal (malformed segment) or a dead preference actor
+        self.segments_in_flight.append(self.preference.submit.remote(segs))
+        self.segments_sent += len(segs)
 
     def flush(self) -> None:
         import ray
@@ -129,6 +149,8 @@ class RolloutActor:
         if tr is not None:
             self._pending.append(tr)
             self._pending_n += len(tr)
+        if self.preference is not None:
+            self._send_segments()
         if self._pending_n < self.chunk_transitions:
             return None
         return self._make_batch()
@@ -186,6 +208,7 @@ class RolloutActor:
         el = max(time.time() - self.t_start, 1e-9)
         return {"actor": self.actor_id, "env_steps": self.worker.env_steps, "decisions": self.decisions,
                 "transitions_sent": self.sent, "weight_version": self.version, "backpressure_wait_s": self.wait_s,
+                "segments_sent": self.segments_sent, "overload_ticks": self.worker.overload_ticks,
                 "env_steps_per_s": self.worker.env_steps / el, "epsilon_min": float(self.eps.min()),
                 "epsilon_max": float(self.eps.max()), "episode_rewards": list(self.worker.finished_rewards[-16:]),
                 "pid": os.getpid(), "node_id": _node_id()}

@@ -94,11 +94,17 @@ class SimConfig:
     """Capacity floor per pool."""
     initial_utilisation: float = 0.6
     """Episodes start with capacity = offered load / this (a warm platform)."""
-    headroom_min: float = 1.0
+    headroom_min: float = 1.4
     """Capacity tiers: the capacity branch sets target = ceil(monitored demand x headroom),
     with n headroom tiers spaced geometrically from headroom_min to headroom_max. Holding a
-    tier tracks the demand; the tier is how much spare capacity to run with."""
-    headroom_max: float = 3.0
+    tier tracks the demand; the tier is how much spare capacity to run with. 1.4-2.8 are the
+    target utilisations 71 %-36 % that autoscalers are commonly set to (HPA examples use 50 %)."""
+    headroom_max: float = 2.8
+    scale_down_window_s: float = 300.0
+    """Scale-down stabilisation of the capacity tiers: the tier multiplies the highest
+    monitored demand of this trailing window (in 15-s blocks), so capacity rises at once and
+    falls only when a burst is this long past, as the Kubernetes HPA's default
+    `behavior.scaleDown.stabilizationWindowSeconds` (300 s) does. 0 tracks the demand as is."""
     priority_tilt: float = 1.0
     """Largest log-weight tilt of the capacity shares towards tight-SLO classes."""
     speed_min: float = 0.6
@@ -142,6 +148,8 @@ class SimConfig:
         _check(0 < self.headroom_min <= self.headroom_max,
                f"sim.headroom_min / headroom_max must satisfy 0 < min <= max, got "
                f"{self.headroom_min!r} / {self.headroom_max!r}")
+        _check(self.scale_down_window_s >= 0,
+               f"sim.scale_down_window_s must be >= 0, got {self.scale_down_window_s!r}")
         _check(0 < self.speed_min <= 1, f"sim.speed_min must be in (0, 1], got {self.speed_min!r}")
         _check(0 <= self.idle_power_frac <= 1,
                f"sim.idle_power_frac must be in [0, 1], got {self.idle_power_frac!r}")
@@ -243,6 +251,12 @@ class AgentConfig:
     """Rewards are multiplied by this before learning: the SLO credit (~-30 per broken
     class-window in simulator units) then sits within the Huber loss's quadratic zone
     instead of being clipped to a unit gradient."""
+    slo_penalty: float = 0.0
+    """Training-only cost per class-window that breaks its SLO, in simulator reward units,
+    on top of the SLA credit the reward already charges (~30 per class-window): the
+    multiplier of a Lagrangian relaxation of "maximise reward subject to an SLO violation
+    rate" (constrained RL, Altman 1999; Tessler et al., ICLR 2019). Evaluation always
+    reports the platform's own reward. 0 = train on the reward as is."""
     grad_clip: float = 10.0
     """Max global gradient norm."""
     huber_delta: float = 1.0
@@ -272,6 +286,7 @@ class AgentConfig:
                f"agent.updates_per_decision must be > 0, got {self.updates_per_decision!r}")
         _check(self.target_update >= 1, f"agent.target_update must be >= 1, got {self.target_update!r}")
         _check(self.reward_scale > 0, f"agent.reward_scale must be > 0, got {self.reward_scale!r}")
+        _check(self.slo_penalty >= 0, f"agent.slo_penalty must be >= 0, got {self.slo_penalty!r}")
         _check(0 < self.eps_base <= 1, f"agent.eps_base must be in (0, 1], got {self.eps_base!r}")
         _check(self.explore_hold_mu == 0 or self.explore_hold_mu > 1,
                f"agent.explore_hold_mu must be 0 (off) or > 1 (a Zipf exponent), got {self.explore_hold_mu!r}")
@@ -314,10 +329,19 @@ class NetConfig:
     """Hidden width of the value stream and of each advantage branch."""
     scale_shared_grad: bool = True
     """Scale the gradient entering z from the heads by 1/(D+1) (BDQ paper, Sec. 3)."""
+    preference_ensemble: int = 0
+    """Members of the preference head on z (per-branch utilities u_d(z, a_d), trained with a
+    Bradley-Terry loss on ranked segment pairs); 0 = no head. Christiano et al. used 3."""
+    preference_hidden: int = 64
+    """Hidden width of each preference-head member's branch MLPs."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
+            if f.name == "preference_ensemble":
+                if not isinstance(v, int) or v < 0:
+                    raise ConfigError(f"net.preference_ensemble must be an int >= 0, got {v!r}")
+                continue
             if isinstance(v, int) and not isinstance(v, bool) and v < 1:
                 raise ConfigError(f"net.{f.name} must be >= 1, got {v!r}")
         if self.sub_actions < 2:
@@ -333,6 +357,67 @@ class NetConfig:
 
 
 @dataclass(frozen=True)
+class PreferenceConfig:
+    """Preference alignment: ranked segment pairs train a Bradley-Terry head on z that
+    regularises the representation, steers exploration and (optionally) shapes the reward."""
+
+    enabled: bool = False
+    """Record segments, rank them (oracle and/or people) and train the preference head."""
+    beta: float = 0.5
+    """Weight of the preference loss in the learner's loss: TD + beta * BT (0 = the head is
+    not trained by the learner)."""
+    explore_softmax: bool = True
+    """Exploratory sub-actions are drawn from softmax(u_d / temperature) instead of uniformly."""
+    temperature: float = 1.0
+    """Temperature of that softmax (in utility units)."""
+    shaping: float = 0.0
+    """lambda: add lambda x (sum over branches of the action-centred utility u_d(z, a_d) -
+    mean_a u_d(z, a)) to each decision's (scaled) reward. 0 = no shaping."""
+    segment_decisions: int = 8
+    """T: decisions per segment (8 x 30 ticks = 4 minutes of platform time by default)."""
+    segments_per_emit: int = 2
+    """Shards of each rollout worker that hand a segment to the preference actor every T
+    decisions (the rest are not recorded: the store only needs a sample)."""
+    store_segments: int = 2048
+    """Unranked segments the preference actor keeps (oldest dropped first); ranked ones stay."""
+    oracle_pairs: int = 400
+    """Pairs the synthetic oracle ranks over a run (0 = people only)."""
+    oracle_every: int = 4
+    """Pairs the oracle ranks per call (rate: one call per emitted batch of segments)."""
+    oracle_error_rate: float = 0.1
+    """Share of oracle answers given at random, as real labellers err."""
+    oracle_weights: tuple[float, float, float] = (1.0, 1.0, 1.0)
+    """Weights of (overload, unfairness, slo_violation) in the oracle's cost."""
+    overload_utilisation: float = 0.9
+    """A tick counts as overload when the shard's utilisation is above this."""
+    query_candidates: int = 32
+    """With an ensemble, the oracle is asked about the most disputed of this many random
+    candidate pairs (ensemble disagreement); without one, about a random pair."""
+    batch_pairs: int = 16
+    """Pairs per preference batch (one per learner update)."""
+    min_pairs: int = 16
+    """Ranked pairs needed before the learner adds the preference loss."""
+    log_path: Optional[str] = None
+    """Durable feedback log (framed msgpack); None: runs/feedback/<run>.log by the launcher."""
+
+    def __post_init__(self) -> None:
+        _check(self.beta >= 0, f"pref.beta must be >= 0, got {self.beta!r}")
+        _check(self.temperature > 0, f"pref.temperature must be > 0, got {self.temperature!r}")
+        _check(self.shaping >= 0, f"pref.shaping must be >= 0, got {self.shaping!r}")
+        for name in ("segment_decisions", "segments_per_emit", "store_segments", "oracle_every",
+                     "query_candidates", "batch_pairs", "min_pairs"):
+            _check(getattr(self, name) >= 1, f"pref.{name} must be >= 1, got {getattr(self, name)!r}")
+        _check(self.oracle_pairs >= 0, f"pref.oracle_pairs must be >= 0, got {self.oracle_pairs!r}")
+        _check(0 <= self.oracle_error_rate <= 1,
+               f"pref.oracle_error_rate must be in [0, 1], got {self.oracle_error_rate!r}")
+        _check(len(self.oracle_weights) == 3 and all(w >= 0 for w in self.oracle_weights),
+               f"pref.oracle_weights must be 3 non-negative weights (overload, unfairness, slo_violation), "
+               f"got {self.oracle_weights!r}")
+        _check(0 < self.overload_utilisation <= 1,
+               f"pref.overload_utilisation must be in (0, 1], got {self.overload_utilisation!r}")
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """Everything one training run needs; a checkpoint stores it whole."""
 
@@ -340,6 +425,7 @@ class TrainConfig:
     net: Optional[NetConfig] = None
     """None: sized from `sim`."""
     agent: AgentConfig = field(default_factory=AgentConfig)
+    pref: PreferenceConfig = field(default_factory=PreferenceConfig)
     minutes: float = 9.0
     """Wall-clock budget for collection, learning and the periodic evaluations (the final
     evaluation comes after)."""
@@ -365,6 +451,8 @@ class TrainConfig:
                                             "action field of replay (at most 256)")
         if self.net is None:
             object.__setattr__(self, "net", NetConfig.for_sim(self.sim))
+        if self.pref.enabled and self.net.preference_ensemble == 0:  # the head the feedback trains
+            object.__setattr__(self, "net", dataclasses.replace(self.net, preference_ensemble=3))
         want = NetConfig.for_sim(self.sim)
         for f in ("macro_features", "num_classes", "history", "micro_features", "num_branches", "sub_actions"):
             _check(getattr(self.net, f) == getattr(want, f),
@@ -376,7 +464,10 @@ def train_config_from_dict(d: dict) -> TrainConfig:
     sim = sim_config_from_dict(d.pop("sim"))
     net = NetConfig(**d.pop("net"))
     agent = AgentConfig(**d.pop("agent"))
-    return TrainConfig(sim=sim, net=net, agent=agent, **d)
+    pref = dict(d.pop("pref", {}) or {})
+    if "oracle_weights" in pref:
+        pref["oracle_weights"] = tuple(pref["oracle_weights"])
+    return TrainConfig(sim=sim, net=net, agent=agent, pref=PreferenceConfig(**pref), **d)
 
 
 def apply_overrides(cfg: TrainConfig, items: list[str]) -> TrainConfig:
@@ -390,10 +481,10 @@ def apply_overrides(cfg: TrainConfig, items: list[str]) -> TrainConfig:
         parts = key.strip().split(".")
         if len(parts) == 1:
             section, name = None, parts[0]
-        elif len(parts) == 2 and parts[0] in ("sim", "agent", "net"):
+        elif len(parts) == 2 and parts[0] in ("sim", "agent", "net", "pref"):
             section, name = parts
         else:
-            raise ConfigError(f"override key {key!r}: use NAME or sim.NAME, agent.NAME, net.NAME")
+            raise ConfigError(f"override key {key!r}: use NAME or sim.NAME, agent.NAME, net.NAME, pref.NAME")
         target = cfg if section is None else getattr(cfg, section)
         names = {f.name for f in dataclasses.fields(target)}
         if name not in names:

@@ -45,3 +45,40 @@ def bdq_td_loss(q: torch.Tensor, actions: torch.Tensor, returns: torch.Tensor, d
     extras = {"priorities": prio, "td": td.detach(), "q_mean": q_taken.detach().mean(),
               "target_mean": y.mean(), "loss_per_sample": per_branch.detach().mean(-1)}
     return loss, extras
+
+
+def segment_scores(u: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
+    """Bradley-Terry segment scores U = sum over decisions and branches of u_d(z_t, a_t,d).
+
+    u:       [E, P, T, D, n] per-member utilities of every decision of P segments
+    actions: [P, T, D] sub-actions taken
+    returns  [E, P]
+    """
+    E, P, T, D, n = u.shape
+    if actions.shape != (P, T, D):
+        raise ValueError(f"actions must be [P={P}, T={T}, D={D}], got {list(actions.shape)}")
+    idx = actions.long().unsqueeze(0).unsqueeze(-1).expand(E, P, T, D, 1)
+    return u.gather(-1, idx).squeeze(-1).sum((-1, -2))
+
+
+def preference_loss(score_a: torch.Tensor, score_b: torch.Tensor, label: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """Bradley-Terry loss of ranked pairs, per ensemble member, averaged.
+
+    score_a, score_b: [E, P] segment scores; label [P]: 1 = A preferred, 0 = B, 0.5 = tie.
+    Loss = -[mu log sigmoid(U(A) - U(B)) + (1 - mu) log sigmoid(U(B) - U(A))] (Christiano et
+    al. 2017, eq. 1), i.e. -log sigmoid(U(A) - U(B)) for a strict A > B.
+    extras: accuracy of the ensemble-mean prediction on strict pairs, P(A > B) per member
+    [E, P], and the ensemble's disagreement (std of P(A > B) over members) [P].
+    """
+    if score_a.shape != score_b.shape or score_a.dim() != 2 or label.shape != score_a.shape[1:]:
+        raise ValueError(f"scores must be [E, P] and label [P], got {list(score_a.shape)}, "
+                         f"{list(score_b.shape)}, {list(label.shape)}")
+    logit = score_a - score_b  # [E, P]
+    loss = F.binary_cross_entropy_with_logits(logit, label.expand_as(logit))
+    with torch.no_grad():
+        p = torch.sigmoid(logit)  # [E, P]
+        strict = label != 0.5
+        pred = p.mean(0) > 0.5
+        acc = (pred == (label > 0.5))[strict].float().mean() if strict.any() else torch.tensor(float("nan"))
+    return loss, {"accuracy": acc, "p_a": p, "score_a": score_a.detach(), "score_b": score_b.detach(),
+                  "disagreement": p.std(0) if p.shape[0] > 1 else torch.zeros_like(label)}

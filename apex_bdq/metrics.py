@@ -3,8 +3,9 @@
 Names are an interface (dashboards and alerts read them); Prometheus sees them prefixed
 with `ray_`, counters with a `_total` suffix. Each process records what it owns:
 rollout actors the env steps, replay shards inserts and size, learner rank 0 the updates,
-samples, sample latency, TD loss and mean Q, the weight store the version lag and actor
-count (set by the driver).
+samples, sample latency, TD loss and mean Q (and the preference loss and accuracy), the
+weight store the version lag and actor count (set by the driver), the preference actor its
+pair count.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ TD_LOSS = "apex_td_loss"  # gauge
 MEAN_Q = "apex_mean_q"  # gauge
 WEIGHT_VERSION_LAG = "apex_weight_version_lag"  # gauge: learner updates - oldest version acting
 ACTOR_COUNT = "apex_actor_count"  # gauge: rollout actors alive
+PREF_LOSS = "apex_pref_loss"  # gauge: Bradley-Terry loss of the latest preference batch (learner)
+PREF_ACCURACY = "apex_pref_accuracy"  # gauge: share of that batch's strict pairs the head ranks right
+FEEDBACK_PAIRS = "apex_feedback_pairs"  # gauge: ranked pairs held by the preference actor
+PREFERENCE = (PREF_LOSS, PREF_ACCURACY, FEEDBACK_PAIRS)  # only in runs with pref.enabled
 ALL = (ENV_STEPS, ENV_STEPS_PER_S, TRANSITIONS_INSERTED, TRANSITIONS_SAMPLED, REPLAY_SIZE, SAMPLE_LATENCY_MS,
        LEARNER_UPDATES, LEARNER_UPDATES_PER_S, TD_LOSS, MEAN_Q, WEIGHT_VERSION_LAG, ACTOR_COUNT)
 
@@ -41,6 +46,9 @@ _DESCRIPTIONS = {
     MEAN_Q: "mean Q of the sampled actions in the latest batch",
     WEIGHT_VERSION_LAG: "learner updates made since the weights the oldest-acting actor uses",
     ACTOR_COUNT: "rollout actors alive",
+    PREF_LOSS: "Bradley-Terry loss of the latest preference batch",
+    PREF_ACCURACY: "share of the latest preference batch's pairs the preference head ranks as labelled",
+    FEEDBACK_PAIRS: "ranked feedback pairs held (durably logged) by the preference actor",
 }
 _TAGS = ("component", "id")
 

@@ -8,10 +8,17 @@
     Q_d(s, a) = V(s) + A_d(s, a) - mean_a A_d(s, a)                      -> [B, D, n]
 
 The output grows linearly in D (D x n advantages + 1 value), where a flat Q head needs n^D.
-`z` is exposed (`BDQNetwork.represent`) so the preference head can attach to it.
+`z` is exposed (`BDQNetwork.represent`) so the preference head attaches to it:
+
+    z --> PreferenceHead: E members x D branches of utilities u_d(z, a_d)  -> [E, B, D, n]
+
+The preference head reads z without the 1/(D+1) scaling and shares nothing with V or A, so
+a preference-only loss moves the encoders and the head, never the value/advantage heads.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from torch import nn
@@ -98,8 +105,33 @@ class BranchingDuelingHead(nn.Module):
         return v.unsqueeze(-1) + a - a.mean(-1, keepdim=True)
 
 
+class PreferenceHead(nn.Module):
+    """Per-branch utilities u_d(z, a_d) for each of E ensemble members [E, B, D, n].
+
+    A segment's score is the sum over its decisions and branches of the utility of the
+    sub-action taken; Bradley-Terry: P(A > B) = sigmoid(U(A) - U(B)). All E x D branch MLPs
+    are one stacked weight, evaluated with two batched matmuls."""
+
+    def __init__(self, cfg: NetConfig) -> None:
+        super().__init__()
+        E, D, n, z, h = cfg.preference_ensemble, cfg.num_branches, cfg.sub_actions, cfg.z_dim, cfg.preference_hidden
+        self.w1 = nn.Parameter(torch.empty(E * D, z, h))
+        self.b1 = nn.Parameter(torch.zeros(E * D, h))
+        self.w2 = nn.Parameter(torch.empty(E * D, h, n))
+        self.b2 = nn.Parameter(torch.zeros(E * D, n))
+        for m in range(E * D):  # members start apart: the ensemble's disagreement picks queries
+            nn.init.kaiming_uniform_(self.w1.data[m].T, a=5 ** 0.5)
+            nn.init.kaiming_uniform_(self.w2.data[m].T, a=5 ** 0.5)
+        self.E, self.D, self.n = E, D, n
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:  # [B, Z] -> [E, B, D, n]
+        hid = torch.relu(torch.einsum("bz,mzh->bmh", z, self.w1) + self.b1)  # [B, E*D, h]
+        u = torch.einsum("bmh,mhn->bmn", hid, self.w2) + self.b2  # [B, E*D, n]
+        return u.reshape(z.shape[0], self.E, self.D, self.n).transpose(0, 1)
+
+
 class BDQNetwork(nn.Module):
-    """Encoders + fusion + branching dueling head."""
+    """Encoders + fusion + branching dueling head (+ the optional preference head)."""
 
     def __init__(self, cfg: NetConfig) -> None:
         super().__init__()
@@ -108,6 +140,7 @@ class BDQNetwork(nn.Module):
         self.micro = MicroEncoder(cfg)
         self.fuse = nn.Sequential(nn.Linear(cfg.macro_hidden + self.micro.out_dim, cfg.z_dim), nn.ReLU())
         self.head = BranchingDuelingHead(cfg)
+        self.pref = PreferenceHead(cfg) if cfg.preference_ensemble > 0 else None
         self.grad_scale = 1.0 / (cfg.num_branches + 1) if cfg.scale_shared_grad else 1.0
 
     def check_obs(self, macro: torch.Tensor, micro: torch.Tensor) -> None:
@@ -129,8 +162,28 @@ class BDQNetwork(nn.Module):
             z = _GradScale.apply(z, self.grad_scale)
         return self.head(z)
 
-    def forward(self, macro: torch.Tensor, micro: torch.Tensor) -> torch.Tensor:  # -> Q [B, D, n]
-        return self.q_from_z(self.represent(macro, micro))
+    def forward(self, macro: torch.Tensor, micro: torch.Tensor, pref_macro: Optional[torch.Tensor] = None,
+                pref_micro: Optional[torch.Tensor] = None):
+        """Q [B, D, n]; with pref_macro/pref_micro [Bp, ...] also the preference utilities
+        [E, Bp, D, n] of those observations, from one encoder pass over both (one forward
+        through a DDP / DeepSpeed / Accelerate wrapper, so their gradients are synchronised)."""
+        if pref_macro is None:
+            return self.q_from_z(self.represent(macro, micro))
+        if self.pref is None:
+            raise ValueError("this network has no preference head (net.preference_ensemble=0)")
+        b = macro.shape[0]
+        z = self.represent(torch.cat([macro, pref_macro]), torch.cat([micro, pref_micro]))
+        return self.q_from_z(z[:b]), self.pref(z[b:])
+
+    def utilities(self, macro: torch.Tensor, micro: torch.Tensor) -> torch.Tensor:  # -> u [E, B, D, n]
+        if self.pref is None:
+            raise ValueError("this network has no preference head (net.preference_ensemble=0)")
+        return self.pref(self.represent(macro, micro))
+
+    def q_and_utilities(self, macro: torch.Tensor, micro: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Q [B, D, n] and the ensemble-mean utilities [B, D, n] from one encoder pass."""
+        z = self.represent(macro, micro)
+        return self.q_from_z(z), self.pref(z).mean(0)
 
 
 def make_network(cfg: NetConfig) -> BDQNetwork:

@@ -433,10 +433,69 @@ def bench_apex(actor_counts: list[int], seconds: float, shards_per_actor: int, r
     return res
 
 
+PREFERENCE_VARIANTS = {
+    # name: overrides on top of the default preset (the ablation is this table)
+    "without": [],
+    "with": ["pref.enabled=true"],
+    "loss_only": ["pref.enabled=true", "pref.explore_softmax=false", "pref.shaping=0"],
+    "explore_only": ["pref.enabled=true", "pref.beta=0.5", "pref.shaping=0"],
+    "shaping_only": ["pref.enabled=true", "pref.explore_softmax=false"],
+}
+
+
+def bench_preference(minutes: float, variants: list[str], extra: list[str], seed: int = 0) -> dict:
+    """Local training runs of the default preset side by side, the same budget and seed, with
+    and without oracle feedback: overload ticks during exploration (rollout shard-ticks above
+    the utilisation threshold), evaluation reward, and how well the preference head ranks
+    held-out oracle pairs (every 5th oracle pair is kept out of training)."""
+    import dataclasses as dc
+    import tempfile
+
+    from apex_bdq.config import apply_overrides
+    from launch.train import PRESETS, LocalTrainer
+    base = dc.replace(PRESETS["default"], minutes=minutes, seed=seed)
+    rows = {}
+    for name in variants:
+        if name not in PREFERENCE_VARIANTS:
+            raise SystemExit(f"unknown variant {name!r}: choose from {', '.join(PREFERENCE_VARIANTS)}")
+        cfg = apply_overrides(base, PREFERENCE_VARIANTS[name] + (extra if name != "without" else []))
+        log = os.path.join(tempfile.mkdtemp(prefix="apex_bdq_pref_"), "feedback.log")
+        print(f"[{name}] {minutes:g} min of training {' '.join(PREFERENCE_VARIANTS[name] + extra) or '(no preferences)'}",
+              flush=True)
+        tr = LocalTrainer(cfg, feedback_log=log, heldout_every=5)
+        res = tr.run(progress=False)
+        if tr.pref is not None:
+            tr.pref.close()
+        p = res["preference"] or {}
+        rows[name] = {"exploration_overload_rate": res["exploration_overload_rate"], "eval_reward": res["eval_reward"],
+                      "slo_violation_rate": res["slo_violation_rate"], "hpa_eval_reward": res["hpa_eval_reward"],
+                      "updates": res["updates"], "env_steps": res["env_steps"], "pairs": p.get("pairs"),
+                      "heldout_pairs": p.get("heldout_pairs"), "heldout_pair_accuracy": p.get("heldout_pair_accuracy")}
+    print(f"\n{'variant':<14}{'overload':>10}{'eval reward':>13}{'SLO viol':>10}{'pairs':>7}{'held-out acc':>14}")
+    for name, r in rows.items():
+        acc = r["heldout_pair_accuracy"]
+        print(f"{name:<14}{r['exploration_overload_rate']:>10.4f}{r['eval_reward']:>13.4f}{r['slo_violation_rate']:>10.4f}"
+              f"{r['pairs'] or 0:>7}{'' if acc is None else f'{acc:.3f}':>14}")
+    out = {"minutes_per_run": minutes, "variants": rows}
+    if "without" in rows and "with" in rows:
+        w, wo = rows["with"], rows["without"]
+        out.update(violations_without=wo["exploration_overload_rate"], violations_with=w["exploration_overload_rate"],
+                   eval_reward_without=wo["eval_reward"], eval_reward_with=w["eval_reward"],
+                   heldout_pair_accuracy=w["heldout_pair_accuracy"])
+        drop = 1 - w["exploration_overload_rate"] / max(wo["exploration_overload_rate"], 1e-12)
+        loss = 1 - w["eval_reward"] / wo["eval_reward"] if wo["eval_reward"] > 0 else float("nan")
+        acc = w["heldout_pair_accuracy"]
+        acc = float("nan") if acc is None else acc
+        print(f"\noverload during exploration {-drop:+.0%} (target -50 % or better: {'met' if drop >= 0.5 else 'NOT met'}); "
+              f"eval reward {-loss:+.1%} (target no worse than -5 %: {'met' if loss <= 0.05 else 'NOT met'}); "
+              f"held-out pair accuracy {acc:.3f} (target >= 0.90: {'met' if acc >= 0.9 else 'NOT met'})")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m launch.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["sim", "replay", "apex", "route"], help="which benchmark")
+    ap.add_argument("what", choices=["sim", "replay", "apex", "route", "preference"], help="which benchmark")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--seconds", type=float, default=1.0, help="seconds per timed run")
@@ -447,6 +506,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--actors", default="1,2,4,8", help="apex: actor counts")
     ap.add_argument("--shards-per-actor", type=int, default=16, help="apex: simulated shards per actor")
     ap.add_argument("--plot", help="apex: PNG of the scaling curve")
+    ap.add_argument("--minutes", type=float, default=4.0, help="preference: training minutes per run")
+    ap.add_argument("--variants", default="without,with",
+                    help=f"preference: runs to compare ({', '.join(PREFERENCE_VARIANTS)})")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="preference: extra config overrides for the runs with preferences")
     a = ap.parse_args(argv)
     if a.repeats < 1 or a.seconds <= 0:
         ap.error("--repeats must be >= 1 and --seconds > 0")
@@ -465,6 +529,8 @@ def main(argv: list[str] | None = None) -> int:
               f"  attached in place (shared memory): {res['shared_memory_ms']:.3f} ms\n"
               f"  shard RPC through the object store: {res['object_store_ms']:.3f} ms "
               f"({res['object_store_over_shared']:.1f}x)")
+    elif a.what == "preference":
+        res = bench_preference(a.minutes, [v.strip() for v in a.variants.split(",") if v.strip()], a.set)
     elif a.what == "apex":
         res = bench_apex([int(x) for x in a.actors.split(",")], max(a.seconds, 10.0), a.shards_per_actor,
                          not a.no_peers, a.plot)

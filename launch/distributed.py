@@ -90,8 +90,10 @@ def local_ray_init(spec: ClusterSpec, address: Optional[str] = None, **kwargs) -
 class ApexRun:
     """One distributed training run; `run()` blocks until the budget is spent."""
 
-    def __init__(self, cfg: TrainConfig, spec: ClusterSpec, resume: Optional[dict] = None) -> None:
+    def __init__(self, cfg: TrainConfig, spec: ClusterSpec, resume: Optional[dict] = None,
+                 heldout_every: int = 0) -> None:
         self.cfg, self.spec, self.resume = cfg, spec, resume
+        self.heldout_every = heldout_every
         self.history: list[dict] = []
         self.t_offset = 0.0
         if resume is not None:
@@ -136,8 +138,20 @@ class ApexRun:
         actor_cfg = config_to_dict(self._actor_cfg())
         Actor = remote_actor_class(num_cpus=s.actor_cpus, resources=self._placement("rollout"),
                                    max_restarts=s.max_restarts)
+        # Preference actor (pref.enabled): segments from the actors, ranked pairs (oracle, the
+        # feedback CLI, Serve) into its durable log, PreferenceBatches to the learners.
+        self.pref = None
+        if self.cfg.pref.enabled:
+            from actors.preference_actor import NAMESPACE, PREFERENCE_ACTOR_NAME, remote_preference_class
+            log = os.path.abspath(self.cfg.pref.log_path or
+                                  os.path.join("runs", "feedback", f"apex-{time.strftime('%Y%m%d-%H%M%S')}.log"))
+            self.feedback_log = log
+            Pref = remote_preference_class(max_restarts=-1)  # it replays its log: restarting loses nothing
+            self.pref = Pref.options(name=PREFERENCE_ACTOR_NAME, namespace=NAMESPACE, num_cpus=0,
+                                     max_concurrency=1).remote(self.cfg.net, self.cfg.pref, log, self.cfg.seed,
+                                                               self.heldout_every)
         self.actors = [Actor.remote(i, s.num_actors, actor_cfg, self.shards, self.store, s.max_in_flight,
-                                    s.weight_pull_every) for i in range(s.num_actors)]
+                                    s.weight_pull_every, preference=self.pref) for i in range(s.num_actors)]
         if self.resume is not None:  # actors start from the checkpoint's weights, not random ones
             state = {k: t.detach().cpu().numpy().copy() for k, t in self.resume["learner"]["net"].items()}
             self.store.put.remote(int(self.resume["learner"].get("version", 0)), state)
@@ -157,7 +171,8 @@ class ApexRun:
         config = {"cfg": config_to_dict(self.cfg), "backend": s.backend, "shards": self.shards, "specs": self.specs,
                   "shard_cfg": self.shard_cfg, "store": self.store, "minutes": minutes, "max_updates": max_updates,
                   "publish_every": s.publish_every, "checkpoint_every_s": s.checkpoint_every_s, "use_gpu": s.use_gpu,
-                  "resume": self.resume, "torch_threads": max(1, int(s.learner_cpus))}
+                  "resume": self.resume, "torch_threads": max(1, int(s.learner_cpus)),
+                  "preference": self.pref}
         return TorchTrainer(train_loop_per_worker, train_loop_config=config,
                             scaling_config=ScalingConfig(num_workers=s.num_learners, use_gpu=s.use_gpu,
                                                          resources_per_worker=per_worker),
@@ -178,7 +193,8 @@ class ApexRun:
         newest = max(st["version"], int((st["learner"] or {}).get("updates", -1)))
         lag = max(0, newest - min(versions)) if versions and st["version"] >= 0 else 0
         self.store.record_driver_metrics.remote(lag, len(actors))
-        return {"version": st["version"], "learner": st["learner"], "weight_lag": lag,
+        pref = ray.get(self.pref.stats.remote()) if self.pref is not None else None
+        return {"version": st["version"], "learner": st["learner"], "weight_lag": lag, "preference": pref,
                 "replay_size": sum(x["size"] for x in shards), "inserted": sum(x["inserted"] for x in shards),
                 "sampled": sum(x["sampled"] for x in shards), "env_steps": sum(x["env_steps"] for x in actors),
                 "actors": actors, "shards": shards}
@@ -263,6 +279,12 @@ class ApexRun:
                 ray.get(sh.close.remote(), timeout=10)
             except Exception:
                 pass
+        if getattr(self, "pref", None) is not None:  # frees the name for the next run on this cluster
+            try:
+                ray.get(self.pref.close.remote(), timeout=10)
+            except Exception:
+                pass
+            ray.kill(self.pref, no_restart=True)
 
 
 def copy_checkpoint(result, dest: str | Path) -> Optional[Path]:

@@ -63,7 +63,11 @@ def evaluate_against_hpa(net, cfg: TrainConfig, ticks: Optional[int], shards: in
 class LocalTrainer:
     """The whole agent in one process; the one place it is wired together."""
 
-    def __init__(self, cfg: TrainConfig, device: str = "cpu") -> None:
+    def __init__(self, cfg: TrainConfig, device: str = "cpu", feedback_log: Optional[str] = None,
+                 heldout_every: int = 0) -> None:
+        """feedback_log: the preference actor's durable log (with `pref.enabled`; default
+        `pref.log_path`, else runs/feedback/local-<time>.log). heldout_every: keep every k-th
+        oracle pair out of training (for the held-out ranking accuracy)."""
         from actors.rollout import RolloutWorker
         from learner.learner import Learner
         from replay_server.replay import PrioritizedReplay
@@ -72,10 +76,20 @@ class LocalTrainer:
         torch.set_num_threads(cfg.torch_threads)
         a = cfg.agent
         # Learner: online + target BDQ networks and the optimiser.
-        self.learner = Learner(cfg.net, a, device=device, seed=cfg.seed)
+        p = cfg.pref
+        self.learner = Learner(cfg.net, a, device=device, seed=cfg.seed, pref_beta=p.beta if p.enabled else 0.0)
         # Rollout: S shards acting with the learner's own network (in one process the copy
-        # is the same object, so weights are always current: version lag 0).
-        self.rollout = RolloutWorker(cfg.sim, a, self.learner.net, seed=cfg.seed)
+        # is the same object, so weights are always current: version lag 0). With
+        # preferences on it also cuts segments for the preference actor.
+        self.rollout = RolloutWorker(cfg.sim, a, self.learner.net, seed=cfg.seed, pref_cfg=p, source="local")
+        # Preference actor: segments in, ranked pairs (oracle, people) out to the learner;
+        # every accepted pair is in the durable log before it counts.
+        self.pref = None
+        if p.enabled:
+            from actors.preference_actor import PreferenceActor
+            log = feedback_log or p.log_path or f"runs/feedback/local-{time.strftime('%Y%m%d-%H%M%S')}.log"
+            self.pref = PreferenceActor(cfg.net, p, log, seed=cfg.seed, heldout_every=heldout_every)
+            self.pref.net = self.learner.net  # same process: disagreement under the current weights
         # Replay: transitions with initial priorities from the rollout, sampled by the learner.
         self.replay = PrioritizedReplay(a.replay_capacity, transition_fields(cfg.net), device=device, alpha=a.alpha,
                                         beta0=a.beta0, beta_steps=a.beta_steps, seed=cfg.seed)
@@ -116,6 +130,10 @@ class LocalTrainer:
     def train_tick(self) -> None:
         tr = self.rollout.step()
         self.decisions += 1
+        if self.pref is not None:
+            segs = self.rollout.recorder.take()
+            if segs:
+                self.pref.submit(segs)
         if tr is not None:
             pr = self.rollout.priorities(tr)
             self.replay.add({k: torch.from_numpy(v) for k, v in tr.as_dict().items()}, torch.from_numpy(pr))
@@ -125,7 +143,8 @@ class LocalTrainer:
         while self.update_credit >= 1.0:
             self.update_credit -= 1.0
             s = self.replay.sample(self.cfg.agent.batch_size)
-            out = self.learner.update(s.data, s.weights)
+            pb = self.pref.sample() if self.pref is not None else None
+            out = self.learner.update(s.data, s.weights, pb)
             self.replay.update_priorities(s.indices, s.generations, out["priorities"])
             self.last_loss = out["loss"]
 
@@ -183,7 +202,14 @@ class LocalTrainer:
                 "learned": final["learned"], "hpa": final["hpa"], "train_seconds": train_s,
                 "env_steps": self.rollout.env_steps, "updates": self.learner.updates,
                 "env_steps_per_s": self.rollout.env_steps / max(train_s, 1e-9),
-                "updates_per_s": self.learner.updates / max(train_s, 1e-9), "history": self.history}
+                "updates_per_s": self.learner.updates / max(train_s, 1e-9),
+                "exploration_overload_rate": self.rollout.overload_ticks / max(self.rollout.env_steps, 1),
+                "preference": self.preference_stats(), "history": self.history}
+
+    def preference_stats(self) -> Optional[dict]:
+        if self.pref is None:
+            return None
+        return {**self.pref.stats(), "heldout_pair_accuracy": self.pref.heldout_accuracy(self.learner.net)}
 
 
 def plot_curve(history: list[dict], path: str) -> None:
@@ -281,7 +307,8 @@ def run_distributed(cfg: TrainConfig, a, spec) -> dict:
             "transitions_inserted": st["inserted"], "transitions_sampled": st["sampled"],
             "num_actors": spec.num_actors, "num_replay_shards": spec.num_replay_shards,
             "num_learners": spec.num_learners, "backend": spec.backend,
-            "checkpoint": str(ck) if ck else None, "history": history}
+            "exploration_overload_rate": sum(x.get("overload_ticks", 0) for x in st["actors"]) / max(st["env_steps"], 1),
+            "preference": st.get("preference"), "checkpoint": str(ck) if ck else None, "history": history}
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -32,8 +32,10 @@ class _Backend:
         self.cfg = cfg
         self.device = device
 
-    def forward(self, macro: torch.Tensor, micro: torch.Tensor) -> torch.Tensor:
-        return self.model(macro, micro)
+    def forward(self, macro: torch.Tensor, micro: torch.Tensor, *pref_obs: torch.Tensor):
+        """Q [B, D, n] (and preference utilities of pref_obs = (macro, micro)) through the
+        wrapper, so every gradient is synchronised by it."""
+        return self.model(macro, micro, *pref_obs)
 
     def optimizer_state(self) -> dict:
         return self.opt.state_dict()

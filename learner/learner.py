@@ -9,16 +9,29 @@ import numpy as np
 import torch
 
 from apex_bdq.config import AgentConfig
-from apex_bdq.losses import bdq_td_loss
+from apex_bdq.losses import bdq_td_loss, preference_loss, segment_scores
 from apex_bdq.networks import BDQNetwork, NetConfig
 
 
 def batch_td_loss(forward, module: BDQNetwork, target: BDQNetwork, data: dict, weights: torch.Tensor,
-                  cfg: AgentConfig, where: str = "") -> tuple[torch.Tensor, dict]:
-    """The BDQ TD loss of a sampled batch: `forward` (the trained model, possibly wrapped by
-    DDP / DeepSpeed / Accelerate) gives Q(s) with gradients, the bare `module` picks a* at s'
-    and `target` evaluates it. A non-finite loss raises, naming `where`."""
-    q = forward(data["macro"], data["micro"])  # [B, D, n]
+                  cfg: AgentConfig, where: str = "", pref_batch=None, pref_beta: float = 0.0,
+                  keep_pref_head: bool = False) -> tuple[torch.Tensor, dict]:
+    """The learner's loss on a sampled batch: BDQ TD, plus pref_beta x Bradley-Terry on a
+    PreferenceBatch when one is given. `forward` (the trained model, possibly wrapped by DDP /
+    DeepSpeed / Accelerate) gives Q(s) — and the preference utilities of the batch's segments,
+    in the same pass — with gradients; the bare `module` picks a* at s' and `target`
+    evaluates it. keep_pref_head: with no PreferenceBatch yet, still run the head on one row
+    at weight 0, so a wrapper that expects every parameter to get a gradient (DDP, ZeRO) sees
+    the same graph on every step. A non-finite loss raises, naming `where`."""
+    ex_pref: dict = {}
+    if pref_batch is not None or keep_pref_head:
+        if pref_batch is not None:
+            pm, pu, acts, label = pref_batch_tensors(pref_batch, data["macro"].device)
+        else:
+            pm, pu = data["macro"][:1], data["micro"][:1]
+        q, u = forward(data["macro"], data["micro"], pm, pu)  # [B, D, n], [E, Bp, D, n]
+    else:
+        q = forward(data["macro"], data["micro"])  # [B, D, n]
     with torch.no_grad():
         q_next_online = module(data["next_macro"], data["next_micro"])
         q_next_target = target(data["next_macro"], data["next_micro"])
@@ -26,26 +39,74 @@ def batch_td_loss(forward, module: BDQNetwork, target: BDQNetwork, data: dict, w
                            weights, huber_delta=cfg.huber_delta, priority=cfg.priority_rule)
     if not torch.isfinite(loss):
         raise FloatingPointError(f"TD loss is {loss.item()} {where}: check rewards and lr")
+    if pref_batch is not None:
+        pl, ex_pref = _bt_loss(u, acts, label)
+        if not torch.isfinite(pl):
+            raise FloatingPointError(f"preference loss is {pl.item()} {where}")
+        loss = loss + pref_beta * pl
+        ex_pref["pref_loss"] = pl.detach()
+    elif keep_pref_head:
+        loss = loss + 0.0 * u.sum()
+    ex.update(ex_pref)
     return loss, ex
+
+
+def pref_batch_tensors(batch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A PreferenceBatch as model inputs: both sides' decisions flattened, A first.
+    Returns macro [2PT, Fm], micro [2PT, K, H, Fu], actions [2P, T, D], label [P]."""
+    P, T = batch.action_a.shape[:2]
+    macro = torch.as_tensor(np.concatenate([batch.macro_a, batch.macro_b]), device=device)  # [2P, T, Fm]
+    micro = torch.as_tensor(np.concatenate([batch.micro_a, batch.micro_b]), device=device)  # [2P, T, K, H, Fu]
+    acts = torch.as_tensor(np.concatenate([batch.action_a, batch.action_b]), device=device)  # [2P, T, D]
+    return (macro.reshape(2 * P * T, -1), micro.reshape((2 * P * T,) + tuple(micro.shape[2:])), acts,
+            torch.as_tensor(batch.label, device=device))
+
+
+def _bt_loss(u: torch.Tensor, acts: torch.Tensor, label: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    P2, T = acts.shape[:2]
+    u = u.reshape(u.shape[0], P2, T, u.shape[-2], u.shape[-1])  # [E, 2P, T, D, n]
+    s = segment_scores(u, acts)  # [E, 2P]
+    return preference_loss(s[:, :P2 // 2], s[:, P2 // 2:], label)
+
+
+def batch_preference_loss(forward_utilities, batch, device: torch.device) -> tuple[torch.Tensor, dict]:
+    """The Bradley-Terry loss of a PreferenceBatch alone; `forward_utilities` maps (macro,
+    micro) to utilities [E, B, D, n] (e.g. `net.utilities`)."""
+    macro, micro, acts, label = pref_batch_tensors(batch, device)
+    return _bt_loss(forward_utilities(macro, micro), acts, label)
 
 
 class Learner:
     def __init__(self, net_cfg: NetConfig, agent_cfg: AgentConfig, device: str | torch.device = "cpu",
-                 seed: int = 0) -> None:
+                 seed: int = 0, pref_beta: float = 0.0) -> None:
         torch.manual_seed(seed)
         self.device = torch.device(device)
         self.cfg = agent_cfg
+        self.pref_beta = pref_beta
         self.net = BDQNetwork(net_cfg).to(self.device)
         self.target = copy.deepcopy(self.net).requires_grad_(False)
         self.opt = torch.optim.Adam(self.net.parameters(), lr=agent_cfg.lr)
         self.updates = 0
         self.version = 0  # bumped whenever the weights change; stamped on what they produce
 
-    def update(self, data: dict, weights: torch.Tensor) -> dict:
-        """One gradient step on a sampled batch; returns metrics and new priorities [B]."""
+    def update(self, data: Optional[dict], weights: Optional[torch.Tensor], pref_batch=None) -> dict:
+        """One gradient step on a sampled batch (TD) and/or a PreferenceBatch (weighted by
+        pref_beta; alone when data is None); returns metrics and new priorities [B]."""
         c = self.cfg
-        loss, ex = batch_td_loss(self.net, self.net, self.target, data, weights.to(self.device), c,
-                                 f"at update {self.updates}")
+        out = {}
+        ex = None
+        pb = pref_batch if self.pref_beta > 0 else None
+        if data is not None:
+            loss, ex = batch_td_loss(self.net, self.net, self.target, data, weights.to(self.device), c,
+                                     f"at update {self.updates}", pref_batch=pb, pref_beta=self.pref_beta)
+            if pb is not None:
+                out.update(pref_loss=float(ex["pref_loss"]), pref_accuracy=float(ex["accuracy"]))
+        elif pb is not None:
+            pl, pex = batch_preference_loss(self.net.utilities, pb, self.device)
+            loss = self.pref_beta * pl
+            out.update(pref_loss=float(pl.detach()), pref_accuracy=float(pex["accuracy"]))
+        else:
+            raise ValueError("update needs a replay batch, a preference batch, or both")
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.net.parameters(), c.grad_clip)
@@ -54,8 +115,9 @@ class Learner:
         self.version += 1
         if self.updates % c.target_update == 0:
             self.target.load_state_dict(self.net.state_dict())
-        return {"loss": float(loss.detach()), "q_mean": float(ex["q_mean"]), "grad_norm": float(grad_norm),
-                "priorities": ex["priorities"]}
+        if ex is not None:
+            out.update(q_mean=float(ex["q_mean"]), priorities=ex["priorities"])
+        return {"loss": float(loss.detach()), "grad_norm": float(grad_norm), **out}
 
     def state_dict(self) -> dict:
         return {"net": self.net.state_dict(), "target": self.target.state_dict(), "opt": self.opt.state_dict(),
@@ -68,38 +130,48 @@ class Learner:
         self.updates, self.version = state["updates"], state["version"]
 
 
-@torch.no_grad()
-def act_epsilon_greedy(net: BDQNetwork, macro: np.ndarray, micro: np.ndarray, eps: np.ndarray,
-                       rng: np.random.Generator, device: Optional[torch.device] = None) -> tuple[np.ndarray, np.ndarray]:
-    """Per-branch epsilon-greedy: each branch explores on its own with its shard's eps.
+def _explore_choice(rng: np.random.Generator, shape: tuple, n: int, utilities: Optional[np.ndarray],
+                    temperature: float) -> np.ndarray:
+    """Exploratory sub-actions [S, D]: uniform, or drawn from softmax(u_d / temperature) when
+    preference utilities [S, D, n] are given (Gumbel-max: argmax of u/T + Gumbel noise)."""
+    if utilities is None:
+        return rng.integers(0, n, size=shape)
+    g = rng.gumbel(size=utilities.shape)
+    return (utilities / temperature + g).argmax(-1)
 
-    Returns (actions [S, D] int64, q [S, D, n] float32)."""
+
+@torch.no_grad()
+def _q_u(net: BDQNetwork, macro: np.ndarray, micro: np.ndarray, want_u: bool,
+         device: Optional[torch.device] = None) -> tuple[np.ndarray, Optional[np.ndarray]]:
     dev = device or next(net.parameters()).device
-    q = net(torch.as_tensor(macro, device=dev), torch.as_tensor(micro, device=dev)).cpu().numpy()
-    greedy = q.argmax(-1)  # [S, D]
-    S, D, n = q.shape
-    explore = rng.random((S, D)) < eps[:, None]
-    return np.where(explore, rng.integers(0, n, size=(S, D)), greedy), q
+    m, u = torch.as_tensor(macro, device=dev), torch.as_tensor(micro, device=dev)
+    if want_u and net.pref is not None:
+        q, ut = net.q_and_utilities(m, u)
+        return q.cpu().numpy(), ut.cpu().numpy()
+    return net(m, u).cpu().numpy(), None
 
 
 class Explorer:
-    """Per-branch epsilon-greedy over S shards, optionally temporally extended (ez-greedy).
+    """Per-branch epsilon-greedy over S shards, optionally temporally extended (ez-greedy),
+    optionally steered by the preference head (softmax over its utilities, not uniform).
 
-    With hold_mu = 0 this is `act_epsilon_greedy`. With hold_mu > 1, a branch that starts
-    exploring (probability eps of its shard) draws a sub-action uniformly and keeps it for
+    With hold_mu = 0 each branch explores on its own with its shard's eps. With hold_mu > 1, a branch that starts
+    exploring (probability eps of its shard) draws a sub-action and keeps it for
     n ~ Zipf(hold_mu) decisions (capped at max_hold), whatever the greedy choice is meanwhile
     (Dabney, Ostrovski & Barreto, "Temporally-Extended epsilon-Greedy Exploration", 2021).
     """
 
     def __init__(self, num_shards: int, num_branches: int, eps: np.ndarray, rng: np.random.Generator,
-                 hold_mu: float = 0.0, max_hold: int = 12) -> None:
+                 hold_mu: float = 0.0, max_hold: int = 12, softmax_temperature: float = 0.0) -> None:
         self.eps = np.asarray(eps, dtype=np.float64)
         if self.eps.shape != (num_shards,):
             raise ValueError(f"epsilons must be one per shard ({num_shards}), got {self.eps.shape}")
         self.rng = rng
         self.hold_mu, self.max_hold = float(hold_mu), int(max_hold)
+        self.temperature = float(softmax_temperature)
         self.left = np.zeros((num_shards, num_branches), dtype=np.int64)  # decisions still held
         self.held = np.zeros((num_shards, num_branches), dtype=np.int64)
+        self.utilities: Optional[np.ndarray] = None  # [S, D, n] of the last act, when computed
 
     def reset(self, shards: np.ndarray | None = None) -> None:
         """Forget held exploration (all shards, or a boolean mask of them)."""
@@ -108,19 +180,22 @@ class Explorer:
         else:
             self.left[shards] = 0
 
-    @torch.no_grad()
-    def act(self, net: BDQNetwork, macro: np.ndarray, micro: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Returns (actions [S, D] int64, q [S, D, n] float32)."""
-        if self.hold_mu <= 0:
-            return act_epsilon_greedy(net, macro, micro, self.eps, self.rng)
-        dev = next(net.parameters()).device
-        q = net(torch.as_tensor(macro, device=dev), torch.as_tensor(micro, device=dev)).cpu().numpy()
+    def act(self, net: BDQNetwork, macro: np.ndarray, micro: np.ndarray,
+            want_utilities: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """Returns (actions [S, D] int64, q [S, D, n] float32); the preference utilities of
+        the same pass are left in `self.utilities` (None without a head)."""
+        q, u = _q_u(net, macro, micro, want_utilities or self.temperature > 0)
+        self.utilities = u
+        soft = u if self.temperature > 0 else None
         S, D, n = q.shape
+        if self.hold_mu <= 0:
+            explore = self.rng.random((S, D)) < self.eps[:, None]
+            return np.where(explore, _explore_choice(self.rng, (S, D), n, soft, self.temperature), q.argmax(-1)), q
         holding = self.left > 0
         start = ~holding & (self.rng.random((S, D)) < self.eps[:, None])
         if start.any():
             k = int(start.sum())
-            self.held[start] = self.rng.integers(0, n, size=k)
+            self.held[start] = _explore_choice(self.rng, (S, D), n, soft, self.temperature)[start]
             self.left[start] = np.minimum(self.rng.zipf(self.hold_mu, size=k), self.max_hold)
         explore = self.left > 0
         self.left[explore] -= 1

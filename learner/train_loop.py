@@ -224,6 +224,11 @@ def train_loop_per_worker(config: dict) -> None:
                                    ctx.get_local_rank(), ctx.get_local_world_size(), config["shard_cfg"], cfg.seed)
         route = source.route
         pre = Prefetcher(source, per_worker, device, depth=int(config.get("prefetch", 2)))
+    # Preference batches (pref.enabled): fetched one ahead from the preference actor; a step
+    # uses the newest one that has arrived (none before pref.min_pairs exist).
+    pref_actor = config.get("preference")
+    use_pref = pref_actor is not None and cfg.pref.beta > 0
+    pref_batch, pref_next = None, None
     budget = float(config.get("minutes", cfg.minutes)) * 60.0
     max_updates = config.get("max_updates")
     publish_every = int(config.get("publish_every", 50))
@@ -232,12 +237,18 @@ def train_loop_per_worker(config: dict) -> None:
     t0 = time.perf_counter()
     last_ckpt = t0
     compute_s = 0.0
-    last = {"loss": float("nan"), "q_mean": float("nan")}
+    last = {"loss": float("nan"), "q_mean": float("nan"), "pref_loss": float("nan"), "pref_accuracy": float("nan")}
     step_i = 0
+
+    publishes = [0]
 
     def publish() -> None:
         if store is not None and rank == 0:
-            store.put.remote(version, state_to_numpy(backend.module))
+            state = state_to_numpy(backend.module)
+            store.put.remote(version, state)
+            if pref_actor is not None and publishes[0] % 10 == 0:  # its ensemble picks the queries
+                pref_actor.set_weights.remote(state, version)
+            publishes[0] += 1
 
     m_last = [0, 0]
 
@@ -249,6 +260,9 @@ def train_loop_per_worker(config: dict) -> None:
         M.record(M.LEARNER_UPDATES_PER_S, step_i / max(el, 1e-9), "learner", rank)
         M.record(M.TD_LOSS, last["loss"], "learner", rank)
         M.record(M.MEAN_Q, last["q_mean"], "learner", rank)
+        if use_pref and last["pref_loss"] == last["pref_loss"]:
+            M.record(M.PREF_LOSS, last["pref_loss"], "learner", rank)
+            M.record(M.PREF_ACCURACY, last["pref_accuracy"], "learner", rank)
         if pre is not None and pre.sample_ms == pre.sample_ms:
             M.record(M.SAMPLE_LATENCY_MS, pre.sample_ms, "learner", rank)
         m_last[:] = [updates, step_i]
@@ -257,6 +271,7 @@ def train_loop_per_worker(config: dict) -> None:
         el = time.perf_counter() - t0
         waited = pre.wait_s if pre is not None else 0.0
         return {"updates": updates, "version": version, "td_loss": last["loss"], "q_mean": last["q_mean"],
+                "pref_loss": last["pref_loss"], "pref_accuracy": last["pref_accuracy"],
                    "updates_per_s": step_i / max(el, 1e-9), "learner_wait_share": waited / max(waited + compute_s, 1e-9),
                    "route": route, "rank": rank, "world_size": world, "final": final, "elapsed_s": el,
                    "node_id": ray.get_runtime_context().get_node_id(), "backend": backend.name,
@@ -306,9 +321,17 @@ def train_loop_per_worker(config: dict) -> None:
                 continue  # some rank is still waiting for data (replay filling, rate limiter)
             j, idx, gen, w, data = held
             held = None
+            if use_pref:
+                if pref_next is None:
+                    pref_next = pref_actor.sample.remote()
+                ready, _ = ray.wait([pref_next], timeout=0)
+                if ready:
+                    pref_batch = ray.get(pref_next) or pref_batch
+                    pref_next = pref_actor.sample.remote()
             tc = time.perf_counter()
             loss, ex = batch_td_loss(backend.forward, backend.module, target, data, w, a,
-                                     f"on rank {rank} at update {updates}")
+                                     f"on rank {rank} at update {updates}", pref_batch=pref_batch,
+                                     pref_beta=cfg.pref.beta, keep_pref_head=use_pref)
             backend.step(loss)
             compute_s += time.perf_counter() - tc
             if j is not None:
@@ -316,7 +339,9 @@ def train_loop_per_worker(config: dict) -> None:
             updates += 1
             version += 1
             step_i += 1
-            last = {"loss": float(loss.detach()), "q_mean": float(ex["q_mean"])}
+            last = {"loss": float(loss.detach()), "q_mean": float(ex["q_mean"]),
+                    "pref_loss": float(ex.get("pref_loss", float("nan"))),
+                    "pref_accuracy": float(ex.get("accuracy", float("nan")))}
             if updates % a.target_update == 0:
                 target.load_state_dict(backend.module.state_dict())
             if updates % publish_every == 0:

@@ -119,7 +119,8 @@ def test_provisioning_delay_and_cancel_newest_pending_first():
 
 
 def test_capacity_tiers_track_the_monitored_demand():
-    sim = PlatformSim(SimConfig(num_shards=3, provisioning_delay_s=0.0))
+    sim = PlatformSim(SimConfig(num_shards=3, provisioning_delay_s=0.0, scale_down_window_s=0.0,
+                                headroom_min=1.0, headroom_max=3.0))
     a = hold(sim)
     a[:, 0] = [0, 2, 4]  # headroom 1.0, 1.73, 3.0 over the demand the monitoring reports
     for _ in range(5):
@@ -129,6 +130,29 @@ def test_capacity_tiers_track_the_monitored_demand():
         np.testing.assert_allclose(sim.target[:, 0], want, rtol=1e-5, atol=1)
     assert (sim.active[:, 0] == sim.target[:, 0]).all()  # no delay configured
     np.testing.assert_allclose(sim.headroom, np.geomspace(1.0, 3.0, 5))
+
+
+def test_capacity_tiers_scale_down_only_after_the_stabilisation_window():
+    """With a 120-s window the tier multiplies the peak monitored demand of the last 120 s
+    (kept in 15-s blocks, so the window is 105-135 s long); without one it tracks the demand."""
+    base = dict(num_shards=4, provisioning_delay_s=0.0, seed=3)
+    plain = PlatformSim(SimConfig(scale_down_window_s=0.0, **base))
+    stab = PlatformSim(SimConfig(scale_down_window_s=120.0, **base))
+    a = hold(plain)
+    a[:, 0] = 2
+    h = plain.headroom[2]
+    demand, higher = [], 0
+    for t in range(600):
+        demand.append(plain.mon_class[(plain.mon_ptr - plain.lag) % (plain.lag + 1)].sum(1))
+        plain.step(a)
+        stab.step(a)
+        np.testing.assert_array_equal(plain.target[:, 0], np.clip(np.ceil(demand[-1] * h), 1, plain.pool_max))
+        hist = np.stack(demand)  # [t+1, S]
+        lo = np.ceil(hist[-min(len(hist), 105):].max(0) * h * (1 - 1e-6))
+        hi = np.ceil(hist[-min(len(hist), 136):].max(0) * h * (1 + 1e-6))
+        assert (stab.target[:, 0] >= lo).all() and (stab.target[:, 0] <= hi).all(), t
+        higher += int((stab.target[:, 0] > plain.target[:, 0]).sum())
+    assert higher > 100  # the window held capacity up after demand fell
 
 
 def test_slo_penalty_is_settled_once_per_window():

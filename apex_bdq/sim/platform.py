@@ -138,6 +138,12 @@ class PlatformSim:
         # that time constant), then reported `lag` ticks late.
         self.mon_alpha = np.float32(1.0 / max(1, self.lag))
         self.W = cfg.window_ticks
+        # Scale-down stabilisation: maxima of the monitored demand per block of ticks; the
+        # window's peak is the max of the completed blocks (recomputed once per block) and
+        # of the open one, so a tick costs O(S P) whatever the window.
+        self.stab_block = max(1, self.lag)
+        win = int(round(cfg.scale_down_window_s / cfg.tick_s))
+        self.stab_nblocks = -(-win // self.stab_block) if win > 0 else 0
         self.rng = np.random.default_rng(cfg.seed)
         self.reset(seed=cfg.seed)
 
@@ -199,6 +205,11 @@ class PlatformSim:
         self.mon_ring[:] = mon
         self.mon_class = np.empty((self.lag + 1, S, K), dtype=f32)  # monitored per-class demand, Erlangs
         self.mon_class[:] = load
+        demand0 = (load @ self.onesK[:, None]) if P == 1 else load  # [S, P] Erlangs
+        self.stab_ring = np.repeat(demand0[None].astype(f32), max(1, self.stab_nblocks), axis=0)  # [nb, S, P]
+        self.stab_open = demand0.astype(f32)  # max of the open block
+        self.stab_closed = demand0.astype(f32)  # max of the completed blocks in the window
+        self.stab_ptr = 0
         self.servers_k = self._split_capacity()
         return self._observe()
 
@@ -236,6 +247,17 @@ class PlatformSim:
         cum = np.rint(cum * (self.active[:, :1] / cum[:, -1:]).astype(np.float32))
         return cum @ self.diff_mat
 
+    def _stabilised(self, demand: np.ndarray) -> np.ndarray:
+        """Highest monitored demand [S, P] over the scale-down window, this tick included."""
+        np.maximum(self.stab_open, demand, out=self.stab_open)
+        peak = np.maximum(self.stab_closed, self.stab_open)
+        if self.t % self.stab_block == self.stab_block - 1:  # the open block completes
+            self.stab_ring[self.stab_ptr] = self.stab_open
+            self.stab_ptr = (self.stab_ptr + 1) % self.stab_nblocks
+            self.stab_closed = self.stab_ring.max(0)
+            self.stab_open = demand.astype(np.float32)
+        return peak
+
     # ---------------------------------------------------------------------------------
     def step(self, actions, capacity_target=None):
         """Advance one tick.
@@ -266,6 +288,8 @@ class PlatformSim:
             demand = self.mon_class[(self.mon_ptr - self.lag) % (self.lag + 1)]  # [S, K] Erlangs
             if P == 1:
                 demand = demand @ self.onesK[:, None]  # [S, 1]
+            if self.stab_nblocks:
+                demand = self._stabilised(demand)
             want = np.ceil(demand * self.headroom[a[:, :P]])
             self.target = np.clip(want, cfg.min_servers, self.pool_max).astype(np.int32)
         if P == 1:

@@ -1,0 +1,225 @@
+"""PreferenceActor: keeps trajectory segments, collects ranked pairs (synthetic oracle,
+people), logs every accepted pair durably, and serves PreferenceBatches to the learner.
+
+The plain class is the whole component (the local trainer and the feedback CLI's offline
+mode use it directly); `remote_preference_class` is the thin Ray shell of a distributed run,
+registered under PREFERENCE_ACTOR_NAME so the CLI and the Serve endpoint can find it.
+
+Durability contract: `rank` returns only after the pair (and the segments it names, the
+first time) are fsynced to the feedback log; on start the log is replayed, so a restart
+finds every pair it ever accepted, with the segment data the learner needs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from typing import Optional
+
+import numpy as np
+import torch
+
+from apex_bdq.config import NetConfig, PreferenceConfig
+from apex_bdq.preference import (FeedbackError, FeedbackLog, PreferenceBatch, PreferencePair, Segment,
+                                 UnknownSegment, oracle_label, replay_log, segment_summary)
+from learner.learner import batch_preference_loss
+
+PREFERENCE_ACTOR_NAME = "apex_bdq_preference"
+NAMESPACE = "apex_bdq"
+
+
+class PreferenceActor:
+    def __init__(self, net_cfg: NetConfig, cfg: PreferenceConfig, log_path: str, seed: int = 0,
+                 heldout_every: int = 0) -> None:
+        """heldout_every > 0 keeps every k-th oracle-ranked pair out of training, to measure
+        how well the head ranks pairs it never saw."""
+        self.net_cfg, self.cfg = net_cfg, cfg
+        self.rng = np.random.default_rng(seed)
+        self.unranked: OrderedDict[str, Segment] = OrderedDict()  # bounded, oldest first
+        self.ranked: dict[str, Segment] = {}  # referenced by an accepted pair: kept for good
+        self.pairs: list[PreferencePair] = []
+        self.heldout: list[PreferencePair] = []
+        self.heldout_ids: set = set()  # segments of held-out pairs: never in a training pair
+        self.keys: set = set()
+        self.heldout_every = heldout_every
+        self.oracle_ranked = 0
+        self.refused = 0
+        self.duplicates = 0
+        self.net = None  # a copy for ensemble disagreement; set_weights fills it
+        self.weights_version = -1
+        self.log = FeedbackLog(log_path)
+        meta, segs, pairs = replay_log(self.log)
+        shapes = log_shapes(net_cfg)
+        if meta is None:
+            self.log.append({"kind": "meta", "net": shapes})
+        elif dict(meta["net"]) != shapes:
+            self.log.close()
+            raise FeedbackError(f"feedback log {log_path!r} holds segments of a network shaped {dict(meta['net'])}, "
+                                f"this run's is {shapes}")
+        self.ranked.update(segs)
+        for p in pairs:
+            if p.key() not in self.keys and p.a in self.ranked and p.b in self.ranked:
+                self.keys.add(p.key())
+                (self.heldout if p.heldout else self.pairs).append(p)
+                if p.heldout:
+                    self.heldout_ids.update((p.a, p.b))
+        self.replayed_pairs = len(self.pairs) + len(self.heldout)
+
+    # -- segments ---------------------------------------------------------------------------
+    def _check(self, s: Segment) -> None:
+        c = self.net_cfg
+        s.check(c.macro_features, (c.num_classes, c.history, c.micro_features), c.num_branches, c.sub_actions)
+
+    def add_segments(self, segments: list[Segment]) -> list[str]:
+        """Keep segments for ranking; returns their ids. A malformed one raises FeedbackError
+        naming it, and none of the batch is kept."""
+        for s in segments:
+            self._check(s)
+        for s in segments:
+            if s.id in self.ranked or s.id in self.unranked:
+                continue
+            self.unranked[s.id] = s
+        while len(self.unranked) > self.cfg.store_segments:
+            self.unranked.popitem(last=False)
+        return [s.id for s in segments]
+
+    def submit(self, segments: list[Segment]) -> int:
+        """What a rollout worker calls: keep the segments, then let the oracle rank its
+        share of pairs. Returns the pairs ranked."""
+        self.add_segments(segments)
+        n = self.oracle_step() if self.cfg.oracle_pairs > 0 else 0
+        if n:
+            from apex_bdq import metrics as M
+            M.record(M.FEEDBACK_PAIRS, len(self.pairs), "preference", 0)
+        return n
+
+    def segment(self, sid: str) -> Segment:
+        s = self.unranked.get(sid) or self.ranked.get(sid)
+        if s is None:
+            raise UnknownSegment(f"unknown segment id {sid!r} (it was never added, or it was dropped from the "
+                                 f"store of {self.cfg.store_segments} unranked segments)")
+        return s
+
+    def list_segments(self, limit: int = 50, unranked_only: bool = False) -> list[dict]:
+        """Newest first, unranked before ranked."""
+        out = [dict(segment_summary(s), ranked=False) for s in reversed(self.unranked.values())]
+        if not unranked_only:
+            out += [dict(segment_summary(s), ranked=True) for s in self.ranked.values()]
+        return out[:limit]
+
+    # -- feedback ---------------------------------------------------------------------------
+    def rank(self, a: str, b: str, label: float = 1.0, source: str = "human", heldout: bool = False) -> str:
+        """Accept "a is preferred to b" (label 1.0; 0.0 = b preferred, 0.5 = tie). Returns
+        'accepted' once durable, or 'duplicate' when the two were already ranked. Unknown ids
+        and malformed pairs raise FeedbackError / UnknownSegment with the reason."""
+        pair = PreferencePair(a=a, b=b, label=float(label) if isinstance(label, (int, float)) else label,
+                              source=str(source), time=time.time(), heldout=bool(heldout))
+        try:
+            pair.check()
+            sa, sb = self.segment(a), self.segment(b)
+        except FeedbackError:
+            self.refused += 1
+            raise
+        if pair.key() in self.keys:
+            self.duplicates += 1
+            return "duplicate"
+        new = [s for s in (sa, sb) if s.id not in self.ranked]
+        self.log.append_pair(pair, new)  # durable before it counts
+        for s in new:
+            self.ranked[s.id] = s
+            self.unranked.pop(s.id, None)
+        self.keys.add(pair.key())
+        (self.heldout if heldout else self.pairs).append(pair)
+        if heldout:
+            self.heldout_ids.update((a, b))
+        return "accepted"
+
+    def oracle_step(self, k: Optional[int] = None) -> int:
+        """Let the synthetic oracle rank up to k pairs (within the run's oracle budget); the
+        pairs asked about are the most disputed by the ensemble, or random without one. A
+        segment may be in several pairs; at least one side of a query is not ranked yet."""
+        k = self.cfg.oracle_every if k is None else k
+        done = tries = 0
+        while done < k and self.oracle_ranked < self.cfg.oracle_pairs and self.unranked and tries < 4 * k:
+            tries += 1
+            held = self.heldout_every > 0 and (self.oracle_ranked + 1) % self.heldout_every == 0
+            q = self._query(fresh_only=held)
+            if q is None:
+                break
+            a, b = self.segment(q[0]), self.segment(q[1])
+            label = oracle_label(a, b, self.cfg.oracle_weights, self.cfg.oracle_error_rate, self.rng)
+            if self.rank(a.id, b.id, label, source="oracle", heldout=held) == "accepted":
+                self.oracle_ranked += 1
+                done += 1
+        return done
+
+    def _query(self, fresh_only: bool = False) -> Optional[tuple[str, str]]:
+        """fresh_only: both sides unranked (a held-out pair: its segments are in no
+        training pair, then or later)."""
+        new = list(self.unranked)
+        pool = new if fresh_only else new + [i for i in self.ranked if i not in self.heldout_ids]
+        if len(pool) < 2:
+            return None
+        cand = []
+        for _ in range(self.cfg.query_candidates):
+            a = new[int(self.rng.integers(len(new)))]
+            b = pool[int(self.rng.integers(len(pool)))]
+            if a != b and PreferencePair(a, b).key() not in self.keys:
+                cand.append((a, b))
+        if not cand:
+            return None
+        if self.net is None or self.net_cfg.preference_ensemble < 2 or len(cand) == 1:
+            return cand[0]
+        batch = PreferenceBatch.from_pairs([PreferencePair(a, b) for a, b in cand], {**self.ranked, **self.unranked})
+        with torch.no_grad():
+            _, ex = batch_preference_loss(self.net.utilities, batch, next(self.net.parameters()).device)
+        return cand[int(ex["disagreement"].argmax())]
+
+    # -- learner side -----------------------------------------------------------------------
+    def set_weights(self, state_dict: dict, version: int) -> None:
+        """The current network (tensors or numpy arrays), for ensemble disagreement."""
+        if self.net is None:
+            from apex_bdq.networks import BDQNetwork
+            self.net = BDQNetwork(self.net_cfg).requires_grad_(False)
+        self.net.load_state_dict({k: torch.as_tensor(v) for k, v in state_dict.items()})
+        self.weights_version = version
+
+    def sample(self, batch_pairs: Optional[int] = None) -> Optional[PreferenceBatch]:
+        """A batch of ranked training pairs (uniform), or None before `min_pairs` exist."""
+        if len(self.pairs) < self.cfg.min_pairs:
+            return None
+        k = batch_pairs or self.cfg.batch_pairs
+        idx = self.rng.integers(0, len(self.pairs), size=k)
+        return PreferenceBatch.from_pairs([self.pairs[i] for i in idx], self.ranked)
+
+    @torch.no_grad()
+    def heldout_accuracy(self, net) -> float:
+        """Share of held-out strict pairs the ensemble-mean head ranks as the oracle did."""
+        strict = [p for p in self.heldout if p.label != 0.5]
+        if not strict:
+            return float("nan")
+        batch = PreferenceBatch.from_pairs(strict, self.ranked)
+        _, ex = batch_preference_loss(net.utilities, batch, next(net.parameters()).device)
+        return float(ex["accuracy"])
+
+    def stats(self) -> dict:
+        return {"pairs": len(self.pairs), "heldout_pairs": len(self.heldout), "oracle_ranked": self.oracle_ranked,
+                "unranked_segments": len(self.unranked), "ranked_segments": len(self.ranked),
+                "refused": self.refused, "duplicates": self.duplicates, "replayed_pairs": self.replayed_pairs,
+                "log_path": self.log.path}
+
+    def close(self) -> None:
+        self.log.close()
+
+
+def log_shapes(net_cfg: NetConfig) -> dict:
+    """What a feedback log's segments must match: observation and action shapes."""
+    return {k: int(getattr(net_cfg, k)) for k in ("macro_features", "num_classes", "history", "micro_features",
+                                                  "num_branches", "sub_actions")}
+
+
+def remote_preference_class(max_restarts: int = -1):
+    """The Ray actor class (lazily, so the core stays importable without Ray). A restarted
+    actor replays its feedback log: accepted pairs survive the crash."""
+    import ray
+    return ray.remote(max_restarts=max_restarts, max_task_retries=0)(PreferenceActor)
