@@ -31,6 +31,7 @@ bench: $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[bench]'
 	$(BIN)/python -m launch.bench replay --json runs/bench_replay.json
 	$(BIN)/python -m launch.bench apex --json runs/bench_apex.json --plot runs/bench_apex.png
+	$(BIN)/python -m launch.bench preference --json runs/bench_preference.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -147,7 +147,8 @@ class PreferenceActor:
             if q is None:
                 break
             a, b = self.segment(q[0]), self.segment(q[1])
-            label = oracle_label(a, b, self.cfg.oracle_weights, self.cfg.oracle_error_rate, self.rng)
+            label = oracle_label(a, b, self.cfg.oracle_weights, self.cfg.oracle_error_rate, self.rng,
+                                 tie_margin=self.cfg.oracle_tie_margin)
             if self.rank(a.id, b.id, label, source="oracle", heldout=held) == "accepted":
                 self.oracle_ranked += 1
                 done += 1

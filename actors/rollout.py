@@ -86,11 +86,12 @@ class RolloutWorker:
             raise ValueError(f"epsilons must be one per shard ({sim_cfg.num_shards}), got {self.eps.shape}")
         self.rng = np.random.default_rng(seed + 1)
         self.pref = pref_cfg if pref_cfg is not None and pref_cfg.enabled else None
-        steer = self.pref is not None and self.pref.explore_softmax and net.pref is not None
+        self.steer_temperature = self.pref.temperature if (self.pref is not None and self.pref.explore_softmax
+                                                           and net.pref is not None) else 0.0
         self.explorer = Explorer(sim_cfg.num_shards, sim_cfg.num_branches, self.eps, self.rng,
-                                 agent_cfg.explore_hold_mu, agent_cfg.explore_max_hold,
-                                 softmax_temperature=self.pref.temperature if steer else 0.0)
-        self.shaping = self.pref.shaping if self.pref is not None and net.pref is not None else 0.0
+                                 agent_cfg.explore_hold_mu, agent_cfg.explore_max_hold)
+        self.shaping_weight = self.pref.shaping if self.pref is not None and net.pref is not None else 0.0
+        self.shaping = 0.0  # on once the head is trained (set_preference_active)
         self.recorder = SegmentRecorder(sim_cfg.num_shards, self.pref, self.rng, source) if self.pref else None
         self.overload_util = (pref_cfg or PreferenceConfig()).overload_utilisation
         self.overload_ticks = 0  # shard-ticks above the utilisation threshold (exploration safety)
@@ -101,6 +102,12 @@ class RolloutWorker:
         self.env_steps = 0
         self.episode_reward = np.zeros(sim_cfg.num_shards)
         self.finished_rewards: list[float] = []
+
+    def set_preference_active(self, active: bool) -> None:
+        """Steer exploration and shape rewards with the preference head from now on (the
+        caller decides when the head is trained: pref.warmup_updates learner updates)."""
+        self.explorer.temperature = self.steer_temperature if active else 0.0
+        self.shaping = self.shaping_weight if active else 0.0
 
     def step(self) -> Optional[Transitions]:
         """One decision of every shard: act, hold the action for `decision_ticks` ticks,

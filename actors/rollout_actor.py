@@ -97,15 +97,18 @@ class RolloutActor:
         version, (ref,) = got["weights"]
         from learner.weight_store import load_numpy_state
         load_numpy_state(self.net, ray.get(ref))
-        self.version = version
-        self.worker.version = version
+        self._set_version(version)
         return True
 
     def set_weights(self, state: dict, version: int) -> None:
         from learner.weight_store import load_numpy_state
         load_numpy_state(self.net, state)
-        self.version = version
-        self.worker.version = version
+        self._set_version(version)
+
+    def _set_version(self, version: int) -> None:
+        self.version = self.worker.version = version
+        if self.preference is not None:  # weights this far on carry a trained preference head
+            self.worker.set_preference_active(version >= self.cfg.pref.warmup_updates)
 
     # -- sending ---------------------------------------------------------------------------
     def _send(self, batch: TransitionBatch) -> None:

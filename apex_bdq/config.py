@@ -368,8 +368,12 @@ class PreferenceConfig:
     not trained by the learner)."""
     explore_softmax: bool = True
     """Exploratory sub-actions are drawn from softmax(u_d / temperature) instead of uniformly."""
-    temperature: float = 1.0
-    """Temperature of that softmax (in utility units)."""
+    temperature: float = 0.3
+    """Temperature of that softmax, in utility units (trained utilities spread ~0.3 across a
+    branch's sub-actions: a segment score is split over T x D terms)."""
+    warmup_updates: int = 2000
+    """Exploration and shaping use the utilities only once the learner has made this many
+    updates (an untrained head would steer at random)."""
     shaping: float = 0.0
     """lambda: add lambda x (sum over branches of the action-centred utility u_d(z, a_d) -
     mean_a u_d(z, a)) to each decision's (scaled) reward. 0 = no shaping."""
@@ -388,13 +392,19 @@ class PreferenceConfig:
     """Share of oracle answers given at random, as real labellers err."""
     oracle_weights: tuple[float, float, float] = (1.0, 1.0, 1.0)
     """Weights of (overload, unfairness, slo_violation) in the oracle's cost."""
+    oracle_tie_margin: float = 0.01
+    """Costs closer than this are a tie (label 0.5): most segments have no overload and no
+    SLO breach, and a labeller does not tell fairness 0.9991 from 0.9993."""
     overload_utilisation: float = 0.9
     """A tick counts as overload when the shard's utilisation is above this."""
     query_candidates: int = 32
     """With an ensemble, the oracle is asked about the most disputed of this many random
     candidate pairs (ensemble disagreement); without one, about a random pair."""
     batch_pairs: int = 16
-    """Pairs per preference batch (one per learner update)."""
+    """Pairs per preference batch."""
+    update_every: int = 4
+    """The learner adds the preference loss on every k-th update (it costs an encoder pass
+    over 2 x batch_pairs x T decisions)."""
     min_pairs: int = 16
     """Ranked pairs needed before the learner adds the preference loss."""
     log_path: Optional[str] = None
@@ -405,9 +415,10 @@ class PreferenceConfig:
         _check(self.temperature > 0, f"pref.temperature must be > 0, got {self.temperature!r}")
         _check(self.shaping >= 0, f"pref.shaping must be >= 0, got {self.shaping!r}")
         for name in ("segment_decisions", "segments_per_emit", "store_segments", "oracle_every",
-                     "query_candidates", "batch_pairs", "min_pairs"):
+                     "query_candidates", "batch_pairs", "min_pairs", "update_every", "warmup_updates"):
             _check(getattr(self, name) >= 1, f"pref.{name} must be >= 1, got {getattr(self, name)!r}")
         _check(self.oracle_pairs >= 0, f"pref.oracle_pairs must be >= 0, got {self.oracle_pairs!r}")
+        _check(self.oracle_tie_margin >= 0, f"pref.oracle_tie_margin must be >= 0, got {self.oracle_tie_margin!r}")
         _check(0 <= self.oracle_error_rate <= 1,
                f"pref.oracle_error_rate must be in [0, 1], got {self.oracle_error_rate!r}")
         _check(len(self.oracle_weights) == 3 and all(w >= 0 for w in self.oracle_weights),

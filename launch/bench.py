@@ -436,10 +436,10 @@ def bench_apex(actor_counts: list[int], seconds: float, shards_per_actor: int, r
 PREFERENCE_VARIANTS = {
     # name: overrides on top of the default preset (the ablation is this table)
     "without": [],
-    "with": ["pref.enabled=true"],
-    "loss_only": ["pref.enabled=true", "pref.explore_softmax=false", "pref.shaping=0"],
-    "explore_only": ["pref.enabled=true", "pref.beta=0.5", "pref.shaping=0"],
-    "shaping_only": ["pref.enabled=true", "pref.explore_softmax=false"],
+    "with": ["pref.enabled=true", "pref.shaping=0.2"],
+    "loss_only": ["pref.enabled=true", "pref.explore_softmax=false"],
+    "explore_only": ["pref.enabled=true"],
+    "shaping_only": ["pref.enabled=true", "pref.explore_softmax=false", "pref.shaping=0.2"],
 }
 
 

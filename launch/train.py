@@ -85,6 +85,7 @@ class LocalTrainer:
         # Preference actor: segments in, ranked pairs (oracle, people) out to the learner;
         # every accepted pair is in the durable log before it counts.
         self.pref = None
+        self.pref_active = False
         if p.enabled:
             from actors.preference_actor import PreferenceActor
             log = feedback_log or p.log_path or f"runs/feedback/local-{time.strftime('%Y%m%d-%H%M%S')}.log"
@@ -143,7 +144,11 @@ class LocalTrainer:
         while self.update_credit >= 1.0:
             self.update_credit -= 1.0
             s = self.replay.sample(self.cfg.agent.batch_size)
-            pb = self.pref.sample() if self.pref is not None else None
+            pb = self.pref.sample() if self.pref is not None and \
+                self.learner.updates % self.cfg.pref.update_every == 0 else None
+            if self.pref is not None and not self.pref_active and self.learner.updates >= self.cfg.pref.warmup_updates:
+                self.rollout.set_preference_active(True)
+                self.pref_active = True
             out = self.learner.update(s.data, s.weights, pb)
             self.replay.update_priorities(s.indices, s.generations, out["priorities"])
             self.last_loss = out["loss"]

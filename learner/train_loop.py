@@ -321,16 +321,18 @@ def train_loop_per_worker(config: dict) -> None:
                 continue  # some rank is still waiting for data (replay filling, rate limiter)
             j, idx, gen, w, data = held
             held = None
-            if use_pref:
+            step_pref = None
+            if use_pref and updates % cfg.pref.update_every == 0:
                 if pref_next is None:
                     pref_next = pref_actor.sample.remote()
                 ready, _ = ray.wait([pref_next], timeout=0)
                 if ready:
                     pref_batch = ray.get(pref_next) or pref_batch
                     pref_next = pref_actor.sample.remote()
+                step_pref = pref_batch
             tc = time.perf_counter()
             loss, ex = batch_td_loss(backend.forward, backend.module, target, data, w, a,
-                                     f"on rank {rank} at update {updates}", pref_batch=pref_batch,
+                                     f"on rank {rank} at update {updates}", pref_batch=step_pref,
                                      pref_beta=cfg.pref.beta, keep_pref_head=use_pref)
             backend.step(loss)
             compute_s += time.perf_counter() - tc
@@ -339,9 +341,9 @@ def train_loop_per_worker(config: dict) -> None:
             updates += 1
             version += 1
             step_i += 1
-            last = {"loss": float(loss.detach()), "q_mean": float(ex["q_mean"]),
-                    "pref_loss": float(ex.get("pref_loss", float("nan"))),
-                    "pref_accuracy": float(ex.get("accuracy", float("nan")))}
+            last.update(loss=float(loss.detach()), q_mean=float(ex["q_mean"]))
+            if "pref_loss" in ex:
+                last.update(pref_loss=float(ex["pref_loss"]), pref_accuracy=float(ex["accuracy"]))
             if updates % a.target_update == 0:
                 target.load_state_dict(backend.module.state_dict())
             if updates % publish_every == 0:

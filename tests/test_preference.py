@@ -296,7 +296,7 @@ def test_local_trainer_with_oracle_feedback(tmp_path):
     from apex_bdq.config import apply_overrides
     cfg = apply_overrides(PRESETS["smoke"], ["pref.enabled=true", "pref.segment_decisions=4", "pref.min_pairs=4",
                                              "pref.batch_pairs=4", "pref.oracle_pairs=40", "pref.shaping=0.1",
-                                             "max_env_ticks=400"])
+                                             "pref.warmup_updates=5", "pref.update_every=1", "max_env_ticks=400"])
     assert cfg.net.preference_ensemble == 3
     log = str(tmp_path / "run.log")
     tr = LocalTrainer(cfg, feedback_log=log, heldout_every=5)
@@ -307,6 +307,7 @@ def test_local_trainer_with_oracle_feedback(tmp_path):
     assert 0.0 <= res["exploration_overload_rate"] <= 1.0
     head1 = tr.learner.net.state_dict()
     assert any(not torch.equal(head0[k], head1[k]) for k in head0)  # the learner trained the head
+    assert tr.pref_active and tr.rollout.shaping == 0.1 and tr.rollout.explorer.temperature == cfg.pref.temperature
     tr.pref.close()
     _, segs, pairs = load_log(log)
     assert len(pairs) == st["oracle_ranked"] and all(p.a in segs and p.b in segs for p in pairs)
