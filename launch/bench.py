@@ -458,10 +458,10 @@ def bench_preference(minutes: float, variants: list[str], extra: list[str], seed
     for name in variants:
         if name not in PREFERENCE_VARIANTS:
             raise SystemExit(f"unknown variant {name!r}: choose from {', '.join(PREFERENCE_VARIANTS)}")
-        cfg = apply_overrides(base, PREFERENCE_VARIANTS[name] + (extra if name != "without" else []))
+        sets = PREFERENCE_VARIANTS[name] + (extra if name != "without" else [])
+        cfg = apply_overrides(base, sets)
         log = os.path.join(tempfile.mkdtemp(prefix="apex_bdq_pref_"), "feedback.log")
-        print(f"[{name}] {minutes:g} min of training {' '.join(PREFERENCE_VARIANTS[name] + extra) or '(no preferences)'}",
-              flush=True)
+        print(f"[{name}] {minutes:g} min of training {' '.join(sets) or '(no preferences)'}", flush=True)
         tr = LocalTrainer(cfg, feedback_log=log, heldout_every=5)
         res = tr.run(progress=False)
         if tr.pref is not None:
