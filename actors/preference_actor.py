@@ -215,8 +215,7 @@ class PreferenceActor:
 
 def log_shapes(net_cfg: NetConfig) -> dict:
     """What a feedback log's segments must match: observation and action shapes."""
-    return {k: int(getattr(net_cfg, k)) for k in ("macro_features", "num_classes", "history", "micro_features",
-                                                  "num_branches", "sub_actions")}
+    return {k: int(getattr(net_cfg, k)) for k in NetConfig.SHAPE_FIELDS}
 
 
 def remote_preference_class(max_restarts: int = -1):

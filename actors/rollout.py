@@ -24,8 +24,9 @@ from learner.learner import Explorer
 
 
 class SegmentRecorder:
-    """Cuts every shard's stream into T-decision segments and keeps `per_emit` random ones
-    of each cut (observations, actions, preference metrics, per-tick series)."""
+    """Cuts the stream into T-decision segments of `segments_per_emit` shards, drawn at random
+    when a segment starts (only those shards are recorded): observations, actions,
+    preference metrics and per-tick series."""
 
     def __init__(self, num_shards: int, cfg: PreferenceConfig, rng: np.random.Generator, source: str) -> None:
         self.S, self.cfg, self.rng, self.source = num_shards, cfg, rng, source
@@ -33,35 +34,37 @@ class SegmentRecorder:
         self._clear()
 
     def _clear(self) -> None:
+        self.pick = np.sort(self.rng.choice(self.S, size=min(self.cfg.segments_per_emit, self.S), replace=False))
         self.macro, self.micro, self.action = [], [], []
         self.ticks = {k: [] for k in ("overload", "fairness", "slo", "load", "capacity", "p99_ms")}
 
     def decision(self, macro: np.ndarray, micro: np.ndarray, action: np.ndarray) -> None:
-        self.macro.append(macro.copy())
-        self.micro.append(micro.copy())
-        self.action.append(action.copy())
+        p = self.pick
+        self.macro.append(macro[p])  # fancy indexing copies
+        self.micro.append(micro[p])
+        self.action.append(action[p])
 
     def tick(self, info: dict, overload: np.ndarray) -> None:
-        t = self.ticks
-        t["overload"].append(overload)
-        t["fairness"].append(info["fairness"])
-        t["slo"].append(info["slo_violation"])
-        t["load"].append(info["offered_erlangs"])
-        t["capacity"].append(info["servers"])
-        arr = info["arrivals"]
-        t["p99_ms"].append((info["p99_s"] * arr).sum(1) / np.maximum(arr.sum(1), 1e-9) * 1e3)
+        p, t = self.pick, self.ticks
+        t["overload"].append(overload[p])
+        t["fairness"].append(info["fairness"][p])
+        t["slo"].append(info["slo_violation"][p])
+        t["load"].append(info["offered_erlangs"][p])
+        t["capacity"].append(info["servers"][p])
+        arr = info["arrivals"][p]
+        t["p99_ms"].append((info["p99_s"][p] * arr).sum(1) / np.maximum(arr.sum(1), 1e-9) * 1e3)
 
     def end_decision(self, version: int) -> None:
         if len(self.action) < self.cfg.segment_decisions:
             return
-        tk = {k: np.stack(v, 1) for k, v in self.ticks.items()}  # [S, ticks]
+        tk = {k: np.stack(v, 1) for k, v in self.ticks.items()}  # [P, ticks]
         macro, micro, action = np.stack(self.macro, 1), np.stack(self.micro, 1), np.stack(self.action, 1)
-        for i in self.rng.choice(self.S, size=min(self.cfg.segments_per_emit, self.S), replace=False):
+        for j, i in enumerate(self.pick):
             self.ready.append(Segment(
-                id=Segment.new_id(), macro=macro[i], micro=micro[i], action=action[i].astype(np.int64),
-                metrics={"overload": float(tk["overload"][i].mean()), "unfairness": float(1 - tk["fairness"][i].mean()),
-                         "slo_violation": float(tk["slo"][i].mean())},
-                series={"load": tk["load"][i], "capacity": tk["capacity"][i], "p99_ms": tk["p99_ms"][i]},
+                id=Segment.new_id(), macro=macro[j], micro=micro[j], action=action[j].astype(np.int64),
+                metrics={"overload": float(tk["overload"][j].mean()), "unfairness": float(1 - tk["fairness"][j].mean()),
+                         "slo_violation": float(tk["slo"][j].mean())},
+                series={"load": tk["load"][j], "capacity": tk["capacity"][j], "p99_ms": tk["p99_ms"][j]},
                 source=f"{self.source}/shard{i}", version=version))
         self._clear()
 

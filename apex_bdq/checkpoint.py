@@ -60,8 +60,7 @@ def net_config_of(ck: dict) -> NetConfig:
 def check_fits(net_cfg: NetConfig, sim_cfg: SimConfig, what: str) -> None:
     want = NetConfig.for_sim(sim_cfg)
     diffs = [f"{f}: checkpoint {getattr(net_cfg, f)} vs config {getattr(want, f)}"
-             for f in ("macro_features", "num_classes", "history", "micro_features", "num_branches", "sub_actions")
-             if getattr(net_cfg, f) != getattr(want, f)]
+             for f in NetConfig.SHAPE_FIELDS if getattr(net_cfg, f) != getattr(want, f)]
     if diffs:
         raise CheckpointError(f"{what} does not fit this simulator config: " + "; ".join(diffs))
 

@@ -347,6 +347,9 @@ class NetConfig:
         if self.sub_actions < 2:
             raise ConfigError(f"net.sub_actions must be >= 2, got {self.sub_actions!r}")
 
+    SHAPE_FIELDS = ("macro_features", "num_classes", "history", "micro_features", "num_branches", "sub_actions")
+    """The fields fixed by the simulator's observation and action spaces (the rest are sizes)."""
+
     @classmethod
     def for_sim(cls, sim_cfg, **overrides) -> "NetConfig":
         """Sizes matching a SimConfig's observation and action spaces."""
@@ -465,7 +468,7 @@ class TrainConfig:
         if self.pref.enabled and self.net.preference_ensemble == 0:  # the head the feedback trains
             object.__setattr__(self, "net", dataclasses.replace(self.net, preference_ensemble=3))
         want = NetConfig.for_sim(self.sim)
-        for f in ("macro_features", "num_classes", "history", "micro_features", "num_branches", "sub_actions"):
+        for f in NetConfig.SHAPE_FIELDS:
             _check(getattr(self.net, f) == getattr(want, f),
                    f"train.net.{f}={getattr(self.net, f)} does not match the simulator ({getattr(want, f)})")
 
