@@ -134,6 +134,23 @@ class PreferenceActor:
             self.heldout_ids.update((a, b))
         return "accepted"
 
+    def rank_many(self, pairs: list[dict], segments: Optional[list[Segment]] = None,
+                  source: str = "human") -> list[str]:
+        """Several rankings at once (what Serve's /v1/feedback calls): inline `segments` are
+        kept first, then every pair {a, b, label} is checked before any is accepted, so a bad
+        pair (named by its index) refuses the whole request and nothing half-lands. Returns
+        'accepted' / 'duplicate' per pair, each accepted one durable in the log."""
+        if segments:
+            self.add_segments(segments)
+        for i, p in enumerate(pairs):
+            try:
+                PreferencePair(a=p["a"], b=p["b"], label=float(p.get("label", 1.0)), source=source).check()
+                self.segment(p["a"]), self.segment(p["b"])
+            except FeedbackError as e:
+                self.refused += 1
+                raise type(e)(f"pairs[{i}]: {e}") from None
+        return [self.rank(p["a"], p["b"], float(p.get("label", 1.0)), source=source) for p in pairs]
+
     def oracle_step(self, k: Optional[int] = None) -> int:
         """Let the synthetic oracle rank up to k pairs (within the run's oracle budget); the
         pairs asked about are the most disputed by the ensemble, or random without one. A

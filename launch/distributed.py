@@ -123,7 +123,7 @@ class ApexRun:
         from learner.weight_store import remote_store_class
         from replay_server.replay_actor import ShardConfig, remote_shard_class, transition_fields
         s, a = self.spec, self.cfg.agent
-        self.store = remote_store_class(max_restarts=s.max_restarts).remote()
+        self.store = self._weight_store(remote_store_class(max_restarts=s.max_restarts))
         per_shard = max(a.batch_size, a.replay_capacity // s.num_replay_shards)
         device = "cuda" if s.use_gpu and s.replay_gpus > 0 else "cpu"
         self.shard_cfg = ShardConfig(capacity=per_shard, alpha=a.alpha, beta0=a.beta0, beta_steps=a.beta_steps,
@@ -156,6 +156,23 @@ class ApexRun:
             state = {k: t.detach().cpu().numpy().copy() for k, t in self.resume["learner"]["net"].items()}
             self.store.put.remote(int(self.resume["learner"].get("version", 0)), state)
         self.actor_runs = [act.run.remote() for act in self.actors]
+
+    def _weight_store(self, Store):
+        """The weight store, registered by name so Serve can follow the run; a second run on
+        the same cluster (the name taken) gets an unnamed one and says so."""
+        import ray
+        from learner.weight_store import WEIGHT_STORE_NAME
+        from actors.preference_actor import NAMESPACE
+        meta = {"net": dataclasses.asdict(self.cfg.net), "branches": list(self.cfg.sim.branch_names)}
+        try:
+            ray.get_actor(WEIGHT_STORE_NAME, namespace=NAMESPACE)
+        except ValueError:
+            self.store_named = True
+            return Store.options(name=WEIGHT_STORE_NAME, namespace=NAMESPACE).remote(meta)
+        print(f"note: a weight store {WEIGHT_STORE_NAME!r} already runs on this cluster (another run); this run's "
+              f"store is unnamed, so `launch.serve --follow` follows the other run")
+        self.store_named = False
+        return Store.remote(meta)
 
     def _trainer(self, minutes: float, max_updates: Optional[int]):
         from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
@@ -285,6 +302,8 @@ class ApexRun:
             except Exception:
                 pass
             ray.kill(self.pref, no_restart=True)
+        if getattr(self, "store_named", False):  # frees the name; Serve keeps the last version it loaded
+            ray.kill(self.store, no_restart=True)
 
 
 def copy_checkpoint(result, dest: str | Path) -> Optional[Path]:

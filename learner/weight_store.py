@@ -12,8 +12,14 @@ import time
 from typing import Optional
 
 
+WEIGHT_STORE_NAME = "apex_bdq_weights"
+"""A distributed run registers its store under this name (Ray namespace "apex_bdq"), so
+`launch.serve --follow` finds it."""
+
+
 class WeightStore:
-    def __init__(self) -> None:
+    def __init__(self, meta: Optional[dict] = None) -> None:
+        self._meta = dict(meta or {})
         self.version = -1
         self._ref: list = []
         self.stop = False
@@ -38,6 +44,10 @@ class WeightStore:
     def poll(self, version: int) -> dict:
         """What an actor asks every K decisions, in one call: newer weights and the stop flag."""
         return {"weights": self.get_if_newer(version), "stop": self.stop}
+
+    def meta(self) -> dict:
+        """What a reader needs besides the weights: the run's network config ("net")."""
+        return dict(self._meta)
 
     def get_version(self) -> int:
         return self.version

@@ -1,0 +1,339 @@
+"""The online decision path without Ray: request decoding and validation, the policy and its
+versioned swaps, the batched forward, response encoding. `launch/serve.py` puts this behind a
+Ray Serve deployment; `apex_bdq.client` speaks the same wire format.
+
+Wire format (`POST /v1/decide`), JSON (`application/json`) or msgpack (`application/msgpack`):
+
+    {"macro": [B, Fm] or [Fm], "micro": [B, K, H, Fu] or [K, H, Fu], "include_q": true}
+
+In msgpack an array may also be `{"dtype": "<f4", "shape": [...], "data": <bytes>}` (C order),
+which costs nothing to decode; responses in msgpack use that form for `actions` (int32
+[B, D]) and `q` (float32 [B, D, n]); JSON responses use nested lists. Every response carries
+the policy `version` that decided it. Anything malformed raises `RequestError` with an HTTP
+status (400 unreadable body, 413 too large, 415 unknown content type, 422 wrong content) and a
+message naming the field.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+
+from apex_bdq.networks import BDQNetwork, NetConfig
+
+JSON = "application/json"
+MSGPACK = "application/msgpack"
+MSGPACK_TYPES = (MSGPACK, "application/x-msgpack", "application/vnd.msgpack")
+DECIDE_FIELDS = ("macro", "micro", "include_q")
+FEEDBACK_FIELDS = ("pairs", "segments")
+PAIR_FIELDS = ("a", "b", "label")
+SEGMENT_FIELDS = ("id", "macro", "micro", "action", "metrics", "source")
+MAX_BODY_BYTES = 64 << 20
+MAX_SHARDS = 65536
+LABELS = {1.0: 1.0, 0.0: 0.0, 0.5: 0.5, "a": 1.0, "b": 0.0, "tie": 0.5}
+
+
+class RequestError(ValueError):
+    """A request the service refuses; `status` is the HTTP status to answer with."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = int(status)
+        self.message = message
+
+
+# -- bodies -----------------------------------------------------------------------------------
+def media_type(content_type: Optional[str]) -> str:
+    """`application/json; charset=utf-8` -> `application/json`; none given means JSON."""
+    return (content_type or JSON).split(";", 1)[0].strip().lower() or JSON
+
+
+def decode_body(body: bytes, content_type: Optional[str]) -> Any:
+    mt = media_type(content_type)
+    if len(body) > MAX_BODY_BYTES:
+        raise RequestError(413, f"body of {len(body)} bytes is over the limit of {MAX_BODY_BYTES}")
+    if not body:
+        raise RequestError(400, "empty body: expected a JSON or msgpack object")
+    if mt == JSON:
+        import orjson
+        try:
+            return orjson.loads(body)
+        except orjson.JSONDecodeError as e:
+            raise RequestError(400, f"body is not valid JSON ({e}); NaN and Infinity are not JSON numbers") from None
+    if mt in MSGPACK_TYPES:
+        import msgpack
+        try:
+            return msgpack.unpackb(body, raw=False, strict_map_key=True)
+        except Exception as e:  # msgpack raises several unrelated types on bad input
+            raise RequestError(400, f"body is not valid msgpack: {type(e).__name__}: {e}") from None
+    raise RequestError(415, f"content type {mt!r} is not supported: send {JSON} or {MSGPACK}")
+
+
+def encode_body(doc: dict, mt: str) -> bytes:
+    if mt in MSGPACK_TYPES:
+        import msgpack
+        return msgpack.packb(doc, use_bin_type=True)
+    import orjson
+    return orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def pack_array(a: np.ndarray) -> dict:
+    a = np.ascontiguousarray(a)
+    return {"dtype": a.dtype.str, "shape": list(a.shape), "data": a.tobytes()}
+
+
+def _as_array(doc: dict, name: str, dtype, where: str = "") -> np.ndarray:
+    """A nested list (JSON or msgpack) or a packed {dtype, shape, data} dict -> ndarray."""
+    label = f"{where}{name}"
+    if name not in doc:
+        raise RequestError(422, f"field {label!r} is missing")
+    v = doc[name]
+    if isinstance(v, dict):
+        extra = set(v) - {"dtype", "shape", "data"}
+        if extra or not {"dtype", "shape", "data"} <= set(v):
+            raise RequestError(422, f"{label}: a packed array has exactly the keys dtype, shape, data; got {sorted(v)}")
+        try:
+            dt = np.dtype(v["dtype"])
+            shape = tuple(int(s) for s in v["shape"])
+        except (TypeError, ValueError) as e:
+            raise RequestError(422, f"{label}: bad packed dtype/shape: {e}") from None
+        if dt.kind not in ("f" if dtype == np.float32 else "iu") or not isinstance(v["data"], (bytes, bytearray)):
+            raise RequestError(422, f"{label}: packed array must hold {'floats' if dtype == np.float32 else 'integers'} "
+                                    f"as bytes, got dtype {dt.str}")
+        n = math.prod(shape)
+        if any(s < 0 for s in shape) or n * dt.itemsize != len(v["data"]):
+            raise RequestError(422, f"{label}: packed data has {len(v['data'])} bytes, shape {list(shape)} of "
+                                    f"{dt.str} needs {n * dt.itemsize}")
+        return np.frombuffer(v["data"], dtype=dt).reshape(shape).astype(dtype, copy=False)
+    if not isinstance(v, list):
+        raise RequestError(422, f"{label} must be an array (nested lists), got {type(v).__name__}")
+    try:
+        a = np.asarray(v, dtype=dtype)
+    except (ValueError, TypeError, OverflowError) as e:
+        raise RequestError(422, f"{label} is not a rectangular array of numbers: {e}") from None
+    return a
+
+
+def _unknown(doc: Any, allowed: tuple, what: str) -> None:
+    if not isinstance(doc, dict):
+        raise RequestError(422, f"{what} must be an object with fields {list(allowed)}, got {type(doc).__name__}")
+    extra = [k for k in doc if k not in allowed]
+    if extra:
+        raise RequestError(422, f"unknown field(s) {extra} in {what}; allowed: {list(allowed)}")
+
+
+def _check_finite(a: np.ndarray, label: str) -> None:
+    if not np.isfinite(a).all():
+        bad = np.argwhere(~np.isfinite(a))[0].tolist()
+        raise RequestError(422, f"{label} holds NaN or inf (first at index {bad})")
+
+
+def parse_decide(doc: Any, cfg: NetConfig) -> tuple[np.ndarray, np.ndarray, bool]:
+    """-> macro [B, Fm] float32, micro [B, K, H, Fu] float32, include_q."""
+    _unknown(doc, DECIDE_FIELDS, "a decide request")
+    include_q = doc.get("include_q", True)
+    if not isinstance(include_q, bool):
+        raise RequestError(422, f"include_q must be true or false, got {include_q!r}")
+    macro, micro = check_obs(_as_array(doc, "macro", np.float32), _as_array(doc, "micro", np.float32), cfg)
+    return macro, micro, include_q
+
+
+def check_obs(macro: np.ndarray, micro: np.ndarray, cfg: NetConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Shapes, shard count and finiteness of one request's observations (one shard may come
+    without the batch axis); -> float32 [B, Fm], [B, K, H, Fu]."""
+    macro = np.asarray(macro, dtype=np.float32)
+    micro = np.asarray(micro, dtype=np.float32)
+    obs = (cfg.num_classes, cfg.history, cfg.micro_features)
+    if macro.ndim == 1 and micro.ndim == 3:  # one shard
+        macro, micro = macro[None], micro[None]
+    if macro.ndim != 2 or macro.shape[1] != cfg.macro_features:
+        raise RequestError(422, f"macro must be [B, {cfg.macro_features}] (or [{cfg.macro_features}] for one shard), "
+                                f"got {list(macro.shape)}")
+    if micro.ndim != 4 or tuple(micro.shape[1:]) != obs:
+        raise RequestError(422, f"micro must be [B, {', '.join(map(str, obs))}] (or [{', '.join(map(str, obs))}] for "
+                                f"one shard), got {list(micro.shape)}")
+    if micro.shape[0] != macro.shape[0]:
+        raise RequestError(422, f"macro has {macro.shape[0]} shards, micro {micro.shape[0]}")
+    if not 1 <= macro.shape[0] <= MAX_SHARDS:
+        raise RequestError(422, f"a request carries 1..{MAX_SHARDS} shards, got {macro.shape[0]}")
+    _check_finite(macro, "macro")
+    _check_finite(micro, "micro")
+    return macro, micro
+
+
+def decision_doc(actions: np.ndarray, q: Optional[np.ndarray], version: int, mt: str, branches: tuple) -> dict:
+    doc: dict = {"version": int(version), "shards": int(actions.shape[0]), "branches": list(branches)}
+    if mt in MSGPACK_TYPES:
+        doc["actions"] = pack_array(actions.astype(np.int32, copy=False))
+        if q is not None:
+            doc["q"] = pack_array(q.astype(np.float32, copy=False))
+    else:  # orjson writes C-contiguous arrays only (einsum outputs may be strided)
+        doc["actions"] = np.ascontiguousarray(actions, dtype=np.int32)
+        if q is not None:
+            doc["q"] = np.ascontiguousarray(q, dtype=np.float32)
+    return doc
+
+
+def parse_feedback(doc: Any, cfg: NetConfig) -> tuple[list[dict], list]:
+    """-> pairs [{a, b, label}], inline segments (apex_bdq.preference.Segment), validated."""
+    from apex_bdq.preference import PREFERENCE_METRICS, FeedbackError, Segment
+    _unknown(doc, FEEDBACK_FIELDS, "a feedback request")
+    pairs = doc.get("pairs")
+    if not isinstance(pairs, list) or not pairs:
+        raise RequestError(422, "field 'pairs' must be a non-empty list of {a, b, label}")
+    out = []
+    for i, p in enumerate(pairs):
+        _unknown(p, PAIR_FIELDS, f"pairs[{i}]")
+        a, b, label = p.get("a"), p.get("b"), p.get("label", 1.0)
+        if not isinstance(a, str) or not isinstance(b, str) or not a or not b:
+            raise RequestError(422, f"pairs[{i}]: a and b must be segment ids (strings), got a={a!r} b={b!r}")
+        key = label if isinstance(label, str) else (float(label) if isinstance(label, (int, float))
+                                                     and not isinstance(label, bool) else None)
+        if key not in LABELS:
+            raise RequestError(422, f"pairs[{i}].label must be 1 (a preferred), 0 (b preferred), 0.5 (tie) or "
+                                    f"'a' / 'b' / 'tie', got {label!r}")
+        out.append({"a": a, "b": b, "label": LABELS[key]})
+    segments = []
+    raw = doc.get("segments", [])
+    if not isinstance(raw, list):
+        raise RequestError(422, "field 'segments' must be a list")
+    for i, s in enumerate(raw):
+        where = f"segments[{i}]."
+        _unknown(s, SEGMENT_FIELDS, f"segments[{i}]")
+        metrics = s.get("metrics")
+        if not isinstance(metrics, dict) or not all(isinstance(metrics.get(m), (int, float)) for m in PREFERENCE_METRICS):
+            raise RequestError(422, f"{where}metrics must be an object with numbers {list(PREFERENCE_METRICS)}")
+        seg = Segment(id=s.get("id") if isinstance(s.get("id"), str) else "",
+                      macro=_as_array(s, "macro", np.float32, where), micro=_as_array(s, "micro", np.float32, where),
+                      action=_as_array(s, "action", np.int64, where),
+                      metrics={m: float(metrics[m]) for m in PREFERENCE_METRICS},
+                      source=str(s.get("source", "http")))
+        try:
+            seg.check(cfg.macro_features, (cfg.num_classes, cfg.history, cfg.micro_features), cfg.num_branches,
+                      cfg.sub_actions)
+        except FeedbackError as e:
+            raise RequestError(422, f"segments[{i}]: {e}") from None
+        segments.append(seg)
+    return out, segments
+
+
+# -- the policy ----------------------------------------------------------------------------------
+@dataclass
+class Policy:
+    """One immutable version of the network; a swap replaces the whole object, so a request
+    that holds it finishes on the version it started with."""
+
+    net: BDQNetwork
+    version: int
+    source: str
+    loaded_at: float = field(default_factory=time.time)
+
+    @torch.inference_mode()
+    def decide(self, macro: np.ndarray, micro: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Greedy per-branch actions [B, D] (int64) and Q [B, D, n] (float32)."""
+        if not macro.flags.writeable:  # arrays from Ray's object store are read-only
+            macro, micro = macro.copy(), micro.copy()
+        elif not micro.flags.writeable:
+            micro = micro.copy()
+        q = self.net(torch.from_numpy(macro), torch.from_numpy(micro))
+        return q.argmax(-1).numpy(), q.numpy()
+
+
+def policy_from_checkpoint(path: str | Path) -> Policy:
+    """The greedy policy of a checkpoint; version = the learner's weight version in it."""
+    from apex_bdq.checkpoint import load_policy, load_checkpoint
+    ck = load_checkpoint(path)
+    net = load_policy(path).net
+    version = int(ck["learner"].get("version", ck.get("counters", {}).get("updates", 0)))
+    return Policy(net.eval(), version, f"checkpoint:{Path(path).resolve()}")
+
+
+def policy_from_state(net_cfg: NetConfig, state: dict, version: int, source: str) -> Policy:
+    from learner.weight_store import load_numpy_state
+    net = BDQNetwork(net_cfg)
+    load_numpy_state(net, state)
+    return Policy(net.eval(), int(version), source)
+
+
+class PolicyHolder:
+    """The current policy plus a background thread that swaps in newer versions: a changed
+    checkpoint file (`watch_checkpoint`) or a newer version in a training run's weight store
+    (`follow`). A version that fails to load is reported in `last_error` and the old one stays."""
+
+    def __init__(self, policy: Policy) -> None:
+        self.policy = policy
+        self.swaps = 0
+        self.last_error: Optional[str] = None
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    @property
+    def cfg(self) -> NetConfig:
+        return self.policy.net.cfg
+
+    def swap(self, new: Policy) -> bool:
+        """Install `new` if it fits the same observation/action shapes (a changed checkpoint
+        file is installed whatever its version: replacing the file is how an operator rolls back)."""
+        old = self.policy
+        diffs = [f for f in NetConfig.SHAPE_FIELDS if getattr(new.net.cfg, f) != getattr(old.net.cfg, f)]
+        if diffs:
+            self.last_error = f"{new.source} v{new.version} refused: shapes differ in {diffs}"
+            return False
+        self.policy = new  # one reference assignment: requests in flight keep the old object
+        self.swaps += 1
+        self.last_error = None
+        return True
+
+    def _loop(self, poll: Callable[[], Optional[Policy]], every_s: float) -> None:
+        while not self._stop.wait(every_s):
+            try:
+                new = poll()
+                if new is not None:
+                    self.swap(new)
+            except Exception as e:  # keep serving the current version; say why the new one failed
+                self.last_error = f"{type(e).__name__}: {e}"
+
+    def _start(self, poll: Callable[[], Optional[Policy]], every_s: float) -> None:
+        self._thread = threading.Thread(target=self._loop, args=(poll, every_s), name="policy-reload", daemon=True)
+        self._thread.start()
+
+    def watch_checkpoint(self, path: str | Path, every_s: float = 2.0) -> None:
+        path = Path(path)
+        state = {"mtime": path.stat().st_mtime_ns}
+
+        def poll() -> Optional[Policy]:
+            m = path.stat().st_mtime_ns
+            if m == state["mtime"]:
+                return None
+            state["mtime"] = m  # a file that fails to load is retried only when it changes again
+            return policy_from_checkpoint(path)
+        self._start(poll, every_s)
+
+    def follow(self, store, every_s: float = 1.0) -> None:
+        """`store`: a WeightStore actor handle (learner.weight_store)."""
+        import ray
+
+        def poll() -> Optional[Policy]:
+            got = ray.get(store.get_if_newer.remote(self.policy.version), timeout=30)
+            if got is None:
+                return None
+            version, refs = got
+            return policy_from_state(self.cfg, ray.get(refs[0], timeout=60), version, "weight-store")
+        self._start(poll, every_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def env_token(explicit: Optional[str], var: str = "APEX_BDQ_FEEDBACK_TOKEN") -> Optional[str]:
+    """The feedback bearer token: the configured one, else the environment variable."""
+    tok = explicit if explicit else os.environ.get(var)
+    return tok or None

@@ -1,0 +1,279 @@
+"""Ray Serve for real: `python -m launch.serve` in a subprocess (its own local Ray, HAProxy
+ingress, as a user starts it) answering over HTTP, and, in-process, a deployment that follows
+a weight store through a deployment handle."""
+
+import dataclasses
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+
+from apex_bdq.checkpoint import config_to_dict, save_checkpoint
+from apex_bdq.client import DecisionClient, ServiceError
+from apex_bdq.config import TrainConfig
+from apex_bdq.networks import BDQNetwork, NetConfig
+from apex_bdq.preference import PREFERENCE_METRICS, load_log
+
+ROOT = Path(__file__).resolve().parents[1]
+CFG = TrainConfig()
+NET = NetConfig.for_sim(CFG.sim)
+TOKEN = "test-token-123"
+
+
+def write_checkpoint(path: Path, version: int, seed: int) -> BDQNetwork:
+    torch.manual_seed(seed)
+    net = BDQNetwork(NET)
+    cfg = config_to_dict(dataclasses.replace(CFG, net=NET))
+    save_checkpoint(path, cfg, {"net": net.state_dict(), "version": version}, {"updates": version})
+    return net.eval()
+
+
+def obs(b: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return (rng.random((b, NET.macro_features), dtype=np.float32),
+            rng.random((b, NET.num_classes, NET.history, NET.micro_features), dtype=np.float32))
+
+
+def q_of(net: BDQNetwork, macro, micro) -> np.ndarray:
+    with torch.no_grad():
+        return net(torch.from_numpy(macro), torch.from_numpy(micro)).numpy()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    d = tmp_path_factory.mktemp("serve")
+    ck, log = d / "policy.pt", d / "feedback.log"
+    nets = {7: write_checkpoint(ck, 7, seed=1)}
+    port = free_port()
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", APEX_BDQ_FEEDBACK_TOKEN=TOKEN, PYTHONUNBUFFERED="1",
+               # HAProxy's stats and metrics listeners (8404, 9101 by default) must not collide with a
+               # Serve already running on this machine
+               RAY_SERVE_HAPROXY_STATS_PORT=str(free_port()), RAY_SERVE_HAPROXY_METRICS_PORT=str(free_port()))
+    out = open(d / "serve.out", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "launch.serve", "--checkpoint", str(ck), "--port", str(port),
+                             "--replica-cpus", "0.5", "--reload-s", "0.5", "--feedback-log", str(log)],
+                            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    client = DecisionClient(url)
+    try:
+        deadline = time.time() + 180
+        while True:
+            try:
+                if client.healthz()["status"] == "ok":
+                    break
+            except (OSError, ServiceError, http.client.HTTPException):
+                pass
+            if proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError("launch.serve did not come up:\n" + (d / "serve.out").read_text()[-3000:])
+            time.sleep(0.5)
+        yield {"url": url, "ck": ck, "log": log, "nets": nets, "proc": proc, "dir": d}
+    finally:
+        client.close()
+        proc.send_signal(signal.SIGINT)  # the CLI shuts Serve down and its Ray with it
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        out.close()
+
+
+def post(url: str, body: bytes, content_type: str = "application/json", headers=None):
+    c = DecisionClient(url)
+    try:
+        status, h, raw = c.request("POST", "/v1/decide", body, content_type, headers)
+    finally:
+        c.close()
+    return status, (json.loads(raw) if raw and h.get("content-type", "").startswith("application/json") else raw)
+
+
+def test_decide_over_json_and_msgpack_matches_the_checkpoint(server):
+    net = server["nets"][7]
+    macro, micro = obs(5, seed=3)
+    want_q = q_of(net, macro, micro)
+    with DecisionClient(server["url"], use_msgpack=True) as c:
+        d = c.decide(macro, micro)
+        assert d.version == 7 and d.actions.shape == (5, NET.num_branches) and d.q.shape == want_q.shape
+        np.testing.assert_allclose(d.q, want_q, rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(d.actions, want_q.argmax(-1))
+        assert {"parse", "queue", "model", "replica"} <= set(d.server_timing)
+        assert d.branches == ["capacity", "priority", "admission", "scheduling"]
+    with DecisionClient(server["url"], use_msgpack=False) as c:  # one shard, JSON, no batch axis
+        d1 = c.decide(macro[0], micro[0])
+        np.testing.assert_allclose(d1.q[0], want_q[0], rtol=1e-5, atol=1e-5)
+        assert c.decide(macro, micro, include_q=False).q is None
+        h = c.healthz()
+        assert h["version"] == 7 and h["batching"]["enabled"] and h["net"]["macro_features"] == NET.macro_features
+        status, hdr, raw = c.request("GET", "/openapi.json")
+        spec = json.loads(raw)
+        assert status == 200 and {"/v1/decide", "/v1/feedback", "/healthz"} <= set(spec["paths"])
+        assert "application/msgpack" in spec["paths"]["/v1/decide"]["post"]["requestBody"]["content"]
+
+
+def test_bad_requests_get_a_4xx_naming_the_problem(server):
+    url = server["url"]
+    macro, micro = obs(2)
+    good = {"macro": macro.tolist(), "micro": micro.tolist()}
+    nan_macro = macro.copy()
+    nan_macro[1, 3] = np.nan
+    packed = {"dtype": "<f4", "shape": [2, NET.macro_features], "data": macro.tobytes()[:-4]}
+    cases = [
+        (b'{"macro": [1, 2', "application/json", 400, "not valid JSON"),
+        (json.dumps(good).replace("]]]]", "]]]], \"micro2\": NaN").encode(), "application/json", 400, "NaN"),
+        (b"\xc1\xc1", "application/msgpack", 400, "msgpack"),
+        (b"{}", "text/plain", 415, "not supported"),
+        (json.dumps({**good, "priority": 1}).encode(), "application/json", 422, "unknown field(s) ['priority']"),
+        (json.dumps({"micro": good["micro"]}).encode(), "application/json", 422, "'macro' is missing"),
+        (json.dumps({**good, "macro": macro[:, :10].tolist()}).encode(), "application/json", 422, "macro must be [B, 16]"),
+        (json.dumps({**good, "micro": micro[:, :3].tolist()}).encode(), "application/json", 422, "micro must be"),
+        (json.dumps({**good, "macro": [[1.0] * 16, [1.0] * 3]}).encode(), "application/json", 422, "rectangular"),
+        (json.dumps({**good, "macro": macro[:1].tolist()}).encode(), "application/json", 422, "macro has 1 shards"),
+        (json.dumps({**good, "include_q": "yes"}).encode(), "application/json", 422, "include_q"),
+        (msgpack.packb({"macro": nan_macro.tolist(), "micro": micro.tolist()}), "application/msgpack", 422,
+         "macro holds NaN or inf (first at index [1, 3])"),
+        (msgpack.packb({"macro": packed, "micro": good["micro"]}, use_bin_type=True), "application/msgpack", 422,
+         "packed data has 124 bytes"),
+        (b"[1, 2]", "application/json", 422, "must be an object"),
+    ]
+    for body, ct, status, needle in cases:
+        got, doc = post(url, body, ct)
+        assert got == status, (needle, got, doc)
+        assert needle in doc["error"], (needle, doc)
+    status, doc = post(url, json.dumps(good).encode())  # the service is still fine
+    assert status == 200 and len(doc["actions"]) == 2
+
+
+def _segment(sid: str, seed: int, T: int = 3) -> dict:
+    rng = np.random.default_rng(seed)
+    return {"id": sid, "macro": rng.random((T, NET.macro_features)).tolist(),
+            "micro": rng.random((T, NET.num_classes, NET.history, NET.micro_features)).tolist(),
+            "action": rng.integers(0, NET.sub_actions, (T, NET.num_branches)).tolist(),
+            "metrics": {m: float(rng.random()) for m in PREFERENCE_METRICS}}
+
+
+def test_feedback_needs_the_token_and_lands_durably(server):
+    url = server["url"]
+    with DecisionClient(url) as c:
+        st, _, raw = c.request("POST", "/v1/feedback", b'{"pairs": [{"a": "x", "b": "y"}]}')
+        assert st == 401 and "Bearer" in json.loads(raw)["error"]
+        st, _, raw = c.request("POST", "/v1/feedback", b'{"pairs": [{"a": "x", "b": "y"}]}',
+                               headers={"Authorization": "Bearer wrong"})
+        assert st == 403 and "wrong feedback token" in json.loads(raw)["error"]
+    segs = [_segment("seg-a", 1), _segment("seg-b", 2), _segment("seg-c", 3)]
+    with DecisionClient(url, token=TOKEN) as c:
+        r = c.feedback([("seg-a", "seg-b", 1.0), {"a": "seg-c", "b": "seg-b", "label": "tie"}], segments=segs)
+        assert r["results"] == ["accepted", "accepted"]
+        assert c.feedback([("seg-b", "seg-a", 0.0)])["results"] == ["duplicate"]
+        with pytest.raises(ServiceError) as e:  # the whole request is refused: seg-a / seg-c stays unranked
+            c.feedback([("seg-a", "seg-c", 1.0), ("seg-a", "nope", 1.0)])
+        assert e.value.status == 404 and "pairs[1]" in e.value.message and "'nope'" in e.value.message
+        with pytest.raises(ServiceError) as e:
+            c.feedback([("seg-a", "seg-c", 2.0)])
+        assert e.value.status == 422 and "label" in e.value.message
+        bad = _segment("seg-d", 4)
+        bad["micro"] = bad["micro"][:, :1] if isinstance(bad["micro"], np.ndarray) else [m[:1] for m in bad["micro"]]
+        with pytest.raises(ServiceError) as e:
+            c.feedback([("seg-a", "seg-d", 1.0)], segments=[bad])
+        assert e.value.status == 422 and "segments[0]" in e.value.message and "micro" in e.value.message
+    _, segments, pairs = load_log(str(server["log"]))  # fsynced before the answer
+    assert [(p.a, p.b, p.label, p.source) for p in pairs] == [("seg-a", "seg-b", 1.0, "http"),
+                                                               ("seg-c", "seg-b", 0.5, "http")]
+    assert set(segments) == {"seg-a", "seg-b", "seg-c"}
+    np.testing.assert_allclose(segments["seg-a"].macro, np.asarray(segs[0]["macro"], dtype=np.float32))
+
+
+def test_a_new_checkpoint_is_swapped_in_without_dropping_requests(server):
+    url, ck = server["url"], server["ck"]
+    macro, micro = obs(3, seed=9)
+    with DecisionClient(url) as c:
+        v0 = c.healthz()["version"]
+    seen, errors, stop = [], [], threading.Event()
+
+    def hammer():
+        with DecisionClient(url) as cc:
+            while not stop.is_set():
+                try:
+                    d = cc.decide(macro, micro)
+                    seen.append((d.version, d.actions.copy()))
+                except Exception as e:  # noqa: BLE001 - any failure is a dropped request
+                    errors.append(repr(e))
+
+    threads = [threading.Thread(target=hammer) for _ in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    new = write_checkpoint(ck, v0 + 1, seed=2)  # atomic replace; the server polls every 0.5 s
+    deadline = time.time() + 30
+    while time.time() < deadline and not any(v == v0 + 1 for v, _ in seen[-5:]):
+        time.sleep(0.2)
+    time.sleep(0.5)
+    stop.set()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    versions = [v for v, _ in seen]
+    assert versions[0] == v0 and versions[-1] == v0 + 1, (versions[:3], versions[-3:])
+    want = q_of(new, macro, micro).argmax(-1)
+    assert all(np.array_equal(a, want) for v, a in seen if v == v0 + 1)
+    with DecisionClient(url) as c:
+        h = c.healthz()
+    assert h["swaps"] >= 1 and h["last_reload_error"] is None
+
+
+def test_cli_refuses_a_missing_checkpoint_before_starting_ray(tmp_path, capsys):
+    from launch.serve import main
+    assert main(["--checkpoint", str(tmp_path / "nope.pt")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    assert main(["--checkpoint", str(tmp_path / "junk.pt")]) == 2
+    assert "corrupt or not a checkpoint" in capsys.readouterr().err
+
+
+def test_handle_path_follows_a_weight_store(tmp_path):
+    """In-process: a named weight store (as a distributed run registers it), a deployment
+    with --follow, decisions through a deployment handle; a newer version is picked up."""
+    import ray
+    from ray import serve
+    from actors.preference_actor import NAMESPACE
+    from launch.serve import ServeOptions, start
+    from learner.weight_store import WEIGHT_STORE_NAME, remote_store_class, state_to_numpy
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        store = remote_store_class().options(name=WEIGHT_STORE_NAME, namespace=NAMESPACE).remote(
+            {"net": dataclasses.asdict(NET), "branches": list(CFG.sim.branch_names)})
+        torch.manual_seed(5)
+        net3, net5 = BDQNetwork(NET).eval(), BDQNetwork(NET).eval()
+        ray.get(store.put.remote(3, state_to_numpy(net3)))
+        handle = start(ServeOptions(follow=True, replica_cpus=0.5, reload_s=0.3), port=free_port())
+        macro, micro = obs(4, seed=11)
+        r = handle.decide.remote(macro, micro).result()
+        assert r["version"] == 3
+        np.testing.assert_allclose(r["q"], q_of(net3, macro, micro), rtol=1e-5, atol=1e-5)
+        with pytest.raises(Exception, match="micro must be"):
+            handle.decide.remote(macro, micro[:, :2]).result()
+        ray.get(store.put.remote(5, state_to_numpy(net5)))
+        deadline = time.time() + 30
+        while (r := handle.decide.remote(macro, micro).result())["version"] != 5 and time.time() < deadline:
+            time.sleep(0.2)
+        assert r["version"] == 5
+        np.testing.assert_array_equal(r["actions"], q_of(net5, macro, micro).argmax(-1))
+        serve.shutdown()
+    finally:
+        ray.shutdown()
