@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 import time
@@ -316,6 +317,22 @@ def run_distributed(cfg: TrainConfig, a, spec) -> dict:
             "preference": st.get("preference"), "checkpoint": str(ck) if ck else None, "history": history}
 
 
+def config_file_args(argv: list[str]) -> list[str]:
+    """Replace `--config PATH` by the file's `train_args` (placed first, so the command line wins)."""
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--config")
+    known, rest = pre.parse_known_args(argv)
+    if not known.config:
+        return argv
+    try:
+        args = json.loads(Path(known.config).read_text())["train_args"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"--config {known.config!r}: no readable \"train_args\" list ({type(e).__name__}: {e})") from e
+    if not isinstance(args, list) or not all(isinstance(x, str) for x in args) or "--config" in args:
+        raise ConfigError(f"--config {known.config!r}: \"train_args\" must be a list of strings without --config")
+    return args + rest
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m launch.train", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -350,6 +367,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     g.add_argument("--no-dashboard", action="store_true",
                    help="start the local cluster without the Ray dashboard (saves ~1 s and ~100 MB; Ray Train's "
                         "state queries then fail and log warnings)")
+    ap.add_argument("--config", metavar="JSON",
+                    help="read arguments from a JSON file's \"train_args\" list (e.g. launch.tune's best_config.json); "
+                         "arguments given here come after them and win")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        argv = config_file_args(argv)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     a = ap.parse_args(argv)
     cfg = PRESETS[a.preset]
     try:

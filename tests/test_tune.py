@@ -1,0 +1,116 @@
+"""Ray Tune sweep of the distributed trainer (launch.tune): a real 2-trial ASHA sweep of the
+smoke preset on a real local cluster, its results and best config, `launch.train --config`
+on that config, and `--resume` of the finished experiment. One cluster for the module."""
+
+import csv
+import json
+import math
+import os
+
+import pytest
+
+from apex_bdq.checkpoint import load_checkpoint
+from apex_bdq.config import ConfigError
+from launch import train
+from launch import tune as sweep
+
+
+# -- pure parts (no Ray cluster) ------------------------------------------------------------------
+def test_space_specs_parse_and_bad_ones_fail_naming_the_key():
+    from ray.tune.search.sample import Categorical, Float
+    sp = sweep.parse_space({"agent.lr": "loguniform:1e-4,1e-3", "backend": "choice:ddp,accelerate",
+                            "agent.n_step": "3", "num_actors": "grid:1,2"})
+    assert isinstance(sp["agent.lr"], Float) and isinstance(sp["backend"], Categorical)
+    assert sp["agent.n_step"] == 3 and sp["num_actors"] == {"grid_search": [1, 2]}
+    for bad in ({"agent.lr": "loguniform:1e-4"}, {"agent.lr": "normal:0,1"}, {"a.b.c": "1"}):
+        with pytest.raises(ConfigError, match=list(bad)[0].replace(".", r"\.")):
+            sweep.parse_space(bad)
+
+
+def test_cli_refuses_a_bad_space_or_override_before_starting_ray(capsys):
+    assert sweep.main(["--preset", "smoke", "--space", "agent.no_such_field=1"]) == 2
+    assert "no_such_field" in capsys.readouterr().err
+    assert sweep.main(["--preset", "smoke", "--set", "agent.lr=abc"]) == 2
+
+
+def test_train_config_file_args(tmp_path, capsys):
+    p = tmp_path / "best.json"
+    p.write_text(json.dumps({"train_args": ["--preset", "smoke", "--set", "agent.lr=0.002"]}))
+    assert train.config_file_args(["--config", str(p), "--local"]) == ["--preset", "smoke", "--set", "agent.lr=0.002",
+                                                                       "--local"]
+    assert train.config_file_args(["--local"]) == ["--local"]
+    p.write_text(json.dumps({"args": []}))
+    assert train.main(["--config", str(p)]) == 2
+    assert "train_args" in capsys.readouterr().err
+
+
+# -- a real sweep -------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ray_local():
+    import ray
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    ray.init(address="local", num_cpus=4, resources={"rollout": 8, "learner": 4}, include_dashboard=False,
+             log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+ARGS = ["--preset", "smoke", "--trials", "2", "--minutes", "0.25", "--eval-every", "5", "--name", "smoke",
+        "--space", "backend=ddp", "--space", "agent.lr=choice:3e-4,1e-3", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def swept(ray_local, tmp_path_factory):
+    storage = tmp_path_factory.mktemp("tune")
+    assert sweep.main(ARGS + ["--storage", str(storage)]) == 0
+    return storage / "smoke"
+
+
+def test_sweep_runs_two_trials_and_reports_reward_against_hpa(swept):
+    rows = json.loads((swept / "results.json").read_text())["trials"]
+    assert len(rows) == 2
+    assert len({r["trial_id"] for r in rows}) == 2
+    for r in rows:
+        assert r["status"] in ("completed", "stopped early"), r  # ASHA may stop the second one
+        assert r["iterations"] >= 1
+        for k in ("eval_reward", "hpa_eval_reward", "reward_minus_hpa"):
+            assert isinstance(r[k], float) and math.isfinite(r[k]), (k, r)
+        assert r["reward_minus_hpa"] == pytest.approx(r["eval_reward"] - r["hpa_eval_reward"])
+        assert r["hpa_eval_reward"] > 0 and r["reward_ratio_hpa"] == pytest.approx(r["eval_reward"] /
+                                                                                   r["hpa_eval_reward"])
+        assert r["backend"] == "ddp" and r["agent.lr"] in (3e-4, 1e-3) and r["updates"] > 0
+    assert any(r["status"] == "completed" for r in rows)  # the first trial always runs to the end
+    with open(swept / "results.csv") as f:
+        table = list(csv.DictReader(f))
+    assert [t["trial_id"] for t in table] == [r["trial_id"] for r in rows]
+    assert all(math.isfinite(float(t["eval_reward"])) for t in table)
+
+
+def test_best_config_is_the_best_completed_trial_and_launch_train_reads_it(swept, tmp_path):
+    rows = json.loads((swept / "results.json").read_text())["trials"]
+    best = json.loads((swept / "best_config.json").read_text())
+    done = [r for r in rows if r["status"] == "completed"]
+    assert best["trial_id"] == max(done, key=lambda r: r["eval_reward"])["trial_id"]
+    assert best["checkpoint"] and os.path.isdir(best["checkpoint"])  # the trial's final checkpoint
+    args = best["train_args"]
+    assert args[:2] == ["--preset", "smoke"] and f"agent.lr={best['agent.lr']!r}" in args
+    ck = tmp_path / "from_best.pt"
+    rc = train.main(["--config", str(swept / "best_config.json"), "--local", "--quiet", "--checkpoint", str(ck),
+                     "--json", str(tmp_path / "out.json")])
+    assert rc == 0
+    cfg = load_checkpoint(ck)["config"]
+    assert cfg["agent"]["lr"] == best["agent.lr"]  # the winner's settings reached the trainer
+    assert cfg["agent"]["n_step"] == best["agent.n_step"] and cfg["agent"]["alpha"] == best["agent.alpha"]
+    assert cfg["agent"]["eps_base"] == best["agent.eps_base"]
+
+
+def test_resume_finds_the_finished_experiment_and_trains_nothing_again(swept, capsys):
+    before = json.loads((swept / "results.json").read_text())["trials"]
+    dirs = sorted(p.name for p in swept.iterdir() if p.name.startswith("run_trial"))
+    capsys.readouterr()
+    assert sweep.main(ARGS + ["--storage", str(swept.parent), "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert f"resuming {swept}" in out
+    after = json.loads((swept / "results.json").read_text())["trials"]
+    assert [(r["trial_id"], r["eval_reward"]) for r in after] == [(r["trial_id"], r["eval_reward"]) for r in before]
+    assert sorted(p.name for p in swept.iterdir() if p.name.startswith("run_trial")) == dirs
