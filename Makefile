@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run run-local baselines test bench setup clean
+.PHONY: run run-local baselines serve test bench setup clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -23,6 +23,9 @@ run-local: $(STAMP)
 baselines: $(STAMP)
 	$(BIN)/python -m launch.evaluate --policy all --plot runs/baselines.png
 
+serve: $(STAMP)
+	$(BIN)/python -m launch.serve --checkpoint runs/train/checkpoint.pt
+
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
@@ -32,6 +35,7 @@ bench: $(STAMP)
 	$(BIN)/python -m launch.bench replay --json runs/bench_replay.json
 	$(BIN)/python -m launch.bench apex --json runs/bench_apex.json --plot runs/bench_apex.png
 	$(BIN)/python -m launch.bench preference --json runs/bench_preference.json
+	$(BIN)/python -m launch.bench serve --json runs/bench_serve.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info

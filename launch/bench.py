@@ -4,6 +4,8 @@
     python -m launch.bench replay [--json PATH]
     python -m launch.bench apex [--json PATH] [--seconds 60] [--actors 1,2,4,8] [--plot PNG]
     python -m launch.bench route [--json PATH] [--batch 512]
+    python -m launch.bench preference [--json PATH] [--minutes 4] [--variants without,with]
+    python -m launch.bench serve [--json PATH] [--requests 1000]      (see launch/bench_serve.py)
 
 `sim`: shard-steps per second of the vectorised PlatformSim at S = 1, 64, 1024 on one core,
 side by side with a plain per-shard loop of the same dynamics (S single-shard simulators
@@ -495,7 +497,7 @@ def bench_preference(minutes: float, variants: list[str], extra: list[str], seed
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m launch.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["sim", "replay", "apex", "route", "preference"], help="which benchmark")
+    ap.add_argument("what", choices=["sim", "replay", "apex", "route", "preference", "serve"], help="which benchmark")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--seconds", type=float, default=1.0, help="seconds per timed run")
@@ -511,6 +513,7 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"preference: runs to compare ({', '.join(PREFERENCE_VARIANTS)})")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="preference: extra config overrides for the runs with preferences")
+    ap.add_argument("--requests", type=int, default=1000, help="serve: requests per 1-shard cell (256 shards: /4)")
     a = ap.parse_args(argv)
     if a.repeats < 1 or a.seconds <= 0:
         ap.error("--repeats must be >= 1 and --seconds > 0")
@@ -529,6 +532,9 @@ def main(argv: list[str] | None = None) -> int:
               f"  attached in place (shared memory): {res['shared_memory_ms']:.3f} ms\n"
               f"  shard RPC through the object store: {res['object_store_ms']:.3f} ms "
               f"({res['object_store_over_shared']:.1f}x)")
+    elif a.what == "serve":
+        from launch.bench_serve import bench_serve
+        res = bench_serve(a.requests)
     elif a.what == "preference":
         res = bench_preference(a.minutes, [v.strip() for v in a.variants.split(",") if v.strip()], a.set)
     elif a.what == "apex":

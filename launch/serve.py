@@ -1,6 +1,6 @@
 """Online decisions with Ray Serve: one deployment, FastAPI ingress, `@serve.batch`.
 
-    python -m launch.serve --checkpoint runs/train/default.pt      # serve a checkpoint (and reload it when it changes)
+    python -m launch.serve --checkpoint runs/train/checkpoint.pt      # serve a checkpoint (and reload it when it changes)
     python -m launch.serve --follow --address auto                 # follow a running training run's weight store
 
     POST /v1/decide    one or many shard observations (JSON or msgpack) -> actions, Q, version
@@ -37,6 +37,7 @@ from ray import serve
 from apex_bdq import serving as S
 
 APP_NAME = "apex_bdq"
+FORWARD_THREAD_MIN_SHARDS = 128
 DEPLOYMENT_NAME = "DecisionService"
 
 
@@ -47,8 +48,8 @@ class ServeOptions:
     follow: bool = False
     """Follow the weight store of the training run on this cluster instead."""
     batching: bool = True
-    max_batch_size: int = 64
-    """Requests per batch (each may carry many shards)."""
+    max_batch_shards: int = 1024
+    """Shards per batched forward pass; a request this large or larger skips the queue."""
     batch_wait_s: float = 0.0
     """How long a batch waits for more requests; 0 = take what is queued (adaptive batching)."""
     max_ongoing_requests: int = 256
@@ -64,7 +65,7 @@ class ServeOptions:
     def __post_init__(self) -> None:
         if (self.checkpoint is None) == (not self.follow):
             raise ValueError("give exactly one of checkpoint=PATH or follow=True")
-        for name in ("max_batch_size", "max_ongoing_requests", "replicas", "torch_threads"):
+        for name in ("max_batch_shards", "max_ongoing_requests", "replicas", "torch_threads"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if self.batch_wait_s < 0 or self.reload_s <= 0 or self.replica_cpus < 0:
@@ -159,39 +160,62 @@ class DecisionService:
             self.branches = sim_config_from_dict(load_checkpoint(opts.checkpoint)["config"]["sim"]).branch_names
             self.holder.watch_checkpoint(opts.checkpoint, opts.reload_s)
         if opts.batching:
-            self._batched.set_max_batch_size(opts.max_batch_size)
+            self._batched.set_max_batch_size(opts.max_batch_shards)
             self._batched.set_batch_wait_timeout_s(opts.batch_wait_s)
+        from concurrent.futures import ThreadPoolExecutor
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="forward")
         self.token = opts.feedback_token
         self._pref = None
         self.served = 0
+        self._inflight = 0
 
     # -- deciding ------------------------------------------------------------------------------
-    @serve.batch(max_batch_size=64, batch_wait_timeout_s=0.0)
+    async def _forward(self, policy: S.Policy, macro: np.ndarray, micro: np.ndarray):
+        """Small batches run inline (a thread hop costs ~0.1 ms); large ones in the forward
+        thread, so the event loop parses the next requests while torch computes."""
+        if macro.shape[0] < FORWARD_THREAD_MIN_SHARDS:
+            return policy.decide(macro, micro)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, policy.decide, macro, micro)
+
+    @serve.batch(max_batch_size=1024, batch_wait_timeout_s=0.0, batch_size_fn=lambda items: sum(len(it[0]) for it in items))
     async def _batched(self, items: list) -> list:
-        """items: (macro [b, Fm], micro [b, K, H, Fu], t_enqueued). One forward over all shards."""
+        """items: (macro [b, Fm], micro [b, K, H, Fu], t_enqueued); the batch is capped in
+        shards (batch_size_fn). One forward over all of them."""
         t0 = time.perf_counter()
         policy = self.holder.policy
         if len(items) == 1:
-            actions, q = policy.decide(items[0][0], items[0][1])
-            parts = [(actions, q)]
+            parts = [await self._forward(policy, items[0][0], items[0][1])]
         else:
             sizes = np.cumsum([it[0].shape[0] for it in items])[:-1]
-            actions, q = policy.decide(np.concatenate([it[0] for it in items]), np.concatenate([it[1] for it in items]))
+            actions, q = await self._forward(policy, np.concatenate([it[0] for it in items]),
+                                             np.concatenate([it[1] for it in items]))
             parts = list(zip(np.split(actions, sizes), np.split(q, sizes)))
         model_ms = (time.perf_counter() - t0) * 1e3
         return [(a, qq, policy.version, (t0 - it[2]) * 1e3, model_ms, len(items)) for (a, qq), it in zip(parts, items)]
 
     async def _decide(self, macro: np.ndarray, micro: np.ndarray):
+        """Through the batch queue only when other requests are in flight (counted from the
+        moment they arrive, before their body is read): a lone request (concurrency 1) skips
+        the queue's ~0.3 ms, a request that fills a batch by itself too."""
         t = time.perf_counter()
         if self.opts.batching:
+            await asyncio.sleep(0)  # let requests already handed to this loop arrive (and count)
+        if self.opts.batching and self._inflight > 1 and macro.shape[0] < self.opts.max_batch_shards:
             return await self._batched((macro, micro, t))
         policy = self.holder.policy
-        actions, q = policy.decide(macro, micro)
+        actions, q = await self._forward(policy, macro, micro)
         return actions, q, policy.version, 0.0, (time.perf_counter() - t) * 1e3, 1
 
     @app.post("/v1/decide", response_model=DecideResponse, openapi_extra=_body_doc(DecideRequest),
               summary="Decide actions for one or many shards")
     async def decide_http(self, request: Request) -> Response:
+        self._inflight += 1
+        try:
+            return await self._decide_http(request)
+        finally:
+            self._inflight -= 1
+
+    async def _decide_http(self, request: Request) -> Response:
         t0 = time.perf_counter()
         mt = S.media_type(request.headers.get("content-type"))
         doc = S.decode_body(await request.body(), mt)
@@ -210,6 +234,13 @@ class DecisionService:
 
     async def decide(self, macro, micro, include_q: bool = True) -> dict:
         """The deployment-handle path: numpy arrays in, numpy arrays out (no HTTP, no codec)."""
+        self._inflight += 1
+        try:
+            return await self._decide_handle(macro, micro, include_q)
+        finally:
+            self._inflight -= 1
+
+    async def _decide_handle(self, macro, micro, include_q: bool) -> dict:
         t0 = time.perf_counter()
         try:
             macro, micro = S.check_obs(macro, micro, self.holder.cfg)
@@ -276,7 +307,7 @@ class DecisionService:
         p = self.holder.policy
         return {"status": "ok", "version": p.version, "source": p.source, "loaded_at": p.loaded_at,
                 "swaps": self.holder.swaps, "last_reload_error": self.holder.last_error,
-                "batching": {"enabled": self.opts.batching, "max_batch_size": self.opts.max_batch_size,
+                "batching": {"enabled": self.opts.batching, "max_batch_shards": self.opts.max_batch_shards,
                              "batch_wait_s": self.opts.batch_wait_s},
                 "branches": list(self.branches), "shards_served": self.served,
                 "net": {f: getattr(p.net.cfg, f) for f in p.net.cfg.SHAPE_FIELDS}}
@@ -321,7 +352,7 @@ def start(opts: ServeOptions, port: int = 8000, host: str = "0.0.0.0", blocking:
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m launch.serve", description=__doc__.split("\n\n")[0])
     src = ap.add_mutually_exclusive_group()
-    src.add_argument("--checkpoint", help="checkpoint to serve (default runs/train/default.pt); reloaded on change")
+    src.add_argument("--checkpoint", help="checkpoint to serve (default runs/train/checkpoint.pt); reloaded on change")
     src.add_argument("--follow", action="store_true", help="follow the training run's weight store on this cluster")
     ap.add_argument("--address", default=None, help="Ray cluster (default: start a local one; 'auto': the running one)")
     ap.add_argument("--host", default="0.0.0.0")
@@ -330,7 +361,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="HAProxy in front of the replicas (default) or Serve's Python proxy; applies when this "
                          "command starts Ray")
     ap.add_argument("--no-batching", action="store_true")
-    ap.add_argument("--max-batch-size", type=int, default=64)
+    ap.add_argument("--max-batch-shards", type=int, default=1024, help="shards per batched forward pass")
     ap.add_argument("--batch-wait-ms", type=float, default=0.0)
     ap.add_argument("--max-ongoing", type=int, default=256)
     ap.add_argument("--replicas", type=int, default=1)
@@ -342,14 +373,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--feedback-log", default=None,
                     help="start a preference actor writing this log when no training run provides one")
     a = ap.parse_args(argv)
-    checkpoint = None if a.follow else (a.checkpoint or "runs/train/default.pt")
+    checkpoint = None if a.follow else (a.checkpoint or "runs/train/checkpoint.pt")
     if checkpoint is not None and not os.path.isfile(checkpoint):
         print(f"error: checkpoint {checkpoint!r} does not exist (train one with `make run`, or pass --checkpoint "
               f"PATH / --follow)", file=sys.stderr)
         return 2
     try:
         opts = ServeOptions(checkpoint=checkpoint, follow=a.follow, batching=not a.no_batching,
-                            max_batch_size=a.max_batch_size, batch_wait_s=a.batch_wait_ms / 1e3,
+                            max_batch_shards=a.max_batch_shards, batch_wait_s=a.batch_wait_ms / 1e3,
                             max_ongoing_requests=a.max_ongoing, replicas=a.replicas, replica_cpus=a.replica_cpus,
                             torch_threads=a.torch_threads, reload_s=a.reload_s,
                             feedback_token=S.env_token(a.feedback_token))
@@ -372,14 +403,19 @@ def main(argv: Optional[list[str]] = None) -> int:
         _, created = ensure_preference_actor(net_config_of(load_checkpoint(checkpoint)), a.feedback_log)
         print(f"feedback: {'started a preference actor writing' if created else 'a preference actor already runs;'} "
               f"{a.feedback_log if created else 'using it'}")
+    import signal
+    import threading
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # also when started in the background (SIGINT ignored there)
+        signal.signal(sig, lambda *_: stop.set())
     start(opts, port=a.port, host=a.host)
     print(f"serving {'the weight store' if a.follow else checkpoint} on http://{a.host}:{a.port} "
           f"(/v1/decide, /v1/feedback, /healthz, /docs); ingress {a.ingress}; Ctrl-C stops")
-    try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        serve.shutdown()
+    while not stop.wait(0.5):  # a timed wait lets the signal handlers run
+        pass
+    print("stopping: Serve shuts down, then Ray")
+    serve.shutdown()
+    ray.shutdown()
     return 0
 
 
