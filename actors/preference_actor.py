@@ -140,15 +140,21 @@ class PreferenceActor:
         kept first, then every pair {a, b, label} is checked before any is accepted, so a bad
         pair (named by its index) refuses the whole request and nothing half-lands. Returns
         'accepted' / 'duplicate' per pair, each accepted one durable in the log."""
-        if segments:
-            self.add_segments(segments)
+        segments = segments or []
+        for s in segments:
+            self._check(s)
+        inline = {s.id for s in segments}
         for i, p in enumerate(pairs):
             try:
                 PreferencePair(a=p["a"], b=p["b"], label=float(p.get("label", 1.0)), source=source).check()
-                self.segment(p["a"]), self.segment(p["b"])
+                for sid in (p["a"], p["b"]):
+                    if sid not in inline:
+                        self.segment(sid)
             except FeedbackError as e:
                 self.refused += 1
                 raise type(e)(f"pairs[{i}]: {e}") from None
+        if segments:  # only once every pair is known good: a refused request stores nothing
+            self.add_segments(segments)
         return [self.rank(p["a"], p["b"], float(p.get("label", 1.0)), source=source) for p in pairs]
 
     def oracle_step(self, k: Optional[int] = None) -> int:

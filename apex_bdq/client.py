@@ -43,10 +43,10 @@ class Decision:
     """Server-Timing header (milliseconds by stage: parse, queue, model, encode, replica)."""
 
 
-def _unpack(v: Any) -> np.ndarray:
-    if isinstance(v, dict):
-        return np.frombuffer(v["data"], dtype=np.dtype(v["dtype"])).reshape(v["shape"])
-    return np.asarray(v)
+def _unpack(v: Any, dtype) -> np.ndarray:
+    if isinstance(v, dict):  # a writable copy, in the documented dtype
+        return np.frombuffer(v["data"], dtype=np.dtype(v["dtype"])).reshape(v["shape"]).astype(dtype)
+    return np.asarray(v, dtype=dtype)
 
 
 def parse_server_timing(header: Optional[str]) -> dict:
@@ -76,9 +76,9 @@ class DecisionClient:
         return self._conn
 
     def request(self, method: str, path: str, body: Optional[bytes] = None, content_type: str = JSON,
-                headers: Optional[dict] = None) -> tuple[int, dict, bytes]:
+                headers: Optional[dict] = None, retry: bool = True) -> tuple[int, dict, bytes]:
         h = {"Content-Type": content_type, **(headers or {})}
-        for attempt in (0, 1):  # a kept-alive connection the server closed is reopened once
+        for attempt in ((0, 1) if retry else (1,)):  # a kept-alive connection the server closed is reopened once
             conn = self._connection()
             try:
                 conn.request(method, self.prefix + path, body=body, headers=h)
@@ -117,7 +117,7 @@ class DecisionClient:
             ct = JSON
         status, headers, raw = self.request("POST", "/v1/decide", body, ct)
         doc = self._decode(status, headers, raw)
-        return Decision(actions=_unpack(doc["actions"]), q=_unpack(doc["q"]) if "q" in doc else None,
+        return Decision(actions=_unpack(doc["actions"], np.int32), q=_unpack(doc["q"], np.float32) if "q" in doc else None,
                         version=int(doc["version"]), branches=list(doc.get("branches", [])),
                         server_timing=parse_server_timing(headers.get("server-timing")))
 
@@ -132,7 +132,8 @@ class DecisionClient:
             doc["segments"] = [{k: (np.asarray(v).tolist() if k in ("macro", "micro", "action") else v)
                                 for k, v in s.items()} for s in segments]
         status, headers, raw = self.request("POST", "/v1/feedback", json.dumps(doc).encode(), JSON,
-                                            {"Authorization": f"Bearer {self.token}"})
+                                            {"Authorization": f"Bearer {self.token}"},
+                                            retry=False)  # not resent blindly: the server may have accepted it
         return self._decode(status, headers, raw)
 
     def healthz(self) -> dict:

@@ -90,9 +90,16 @@ def pack_array(a: np.ndarray) -> dict:
     return {"dtype": a.dtype.str, "shape": list(a.shape), "data": a.tobytes()}
 
 
+MAX_DIMS = 8
+
+
 def _as_array(doc: dict, name: str, dtype, where: str = "") -> np.ndarray:
-    """A nested list (JSON or msgpack) or a packed {dtype, shape, data} dict -> ndarray."""
+    """A nested list (JSON or msgpack) or a packed {dtype, shape, data} dict -> ndarray.
+    Floats are wanted for observations (integers accepted), integers for actions; strings,
+    booleans, nulls and bytes inside an array are refused."""
     label = f"{where}{name}"
+    want = "floats" if dtype == np.float32 else "integers"
+    kinds = "fiu" if dtype == np.float32 else "iu"
     if name not in doc:
         raise RequestError(422, f"field {label!r} is missing")
     v = doc[name]
@@ -100,26 +107,39 @@ def _as_array(doc: dict, name: str, dtype, where: str = "") -> np.ndarray:
         extra = set(v) - {"dtype", "shape", "data"}
         if extra or not {"dtype", "shape", "data"} <= set(v):
             raise RequestError(422, f"{label}: a packed array has exactly the keys dtype, shape, data; got {sorted(v)}")
+        shape = v["shape"]
+        if (not isinstance(shape, list) or len(shape) > MAX_DIMS
+                or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shape)):
+            raise RequestError(422, f"{label}: packed shape must be a list of at most {MAX_DIMS} sizes >= 0, "
+                                    f"got {str(shape)[:80]}")
         try:
             dt = np.dtype(v["dtype"])
-            shape = tuple(int(s) for s in v["shape"])
         except (TypeError, ValueError) as e:
-            raise RequestError(422, f"{label}: bad packed dtype/shape: {e}") from None
-        if dt.kind not in ("f" if dtype == np.float32 else "iu") or not isinstance(v["data"], (bytes, bytearray)):
-            raise RequestError(422, f"{label}: packed array must hold {'floats' if dtype == np.float32 else 'integers'} "
-                                    f"as bytes, got dtype {dt.str}")
+            raise RequestError(422, f"{label}: bad packed dtype {str(v['dtype'])[:40]!r}: {e}") from None
+        if dt.kind not in kinds or not isinstance(v["data"], (bytes, bytearray)):
+            raise RequestError(422, f"{label}: packed array must hold {want} as bytes, got dtype {dt.str}")
         n = math.prod(shape)
-        if any(s < 0 for s in shape) or n * dt.itemsize != len(v["data"]):
+        if n * dt.itemsize != len(v["data"]):
             raise RequestError(422, f"{label}: packed data has {len(v['data'])} bytes, shape {list(shape)} of "
                                     f"{dt.str} needs {n * dt.itemsize}")
-        return np.frombuffer(v["data"], dtype=dt).reshape(shape).astype(dtype, copy=False)
+        with np.errstate(over="ignore"):  # float64 beyond float32 -> inf, refused later as not finite
+            return np.frombuffer(v["data"], dtype=dt).reshape(shape).astype(dtype, copy=False)
     if not isinstance(v, list):
         raise RequestError(422, f"{label} must be an array (nested lists), got {type(v).__name__}")
     try:
-        a = np.asarray(v, dtype=dtype)
+        a = np.asarray(v)  # numpy infers the element kind: strings, None, bytes, bools show up in it
     except (ValueError, TypeError, OverflowError) as e:
-        raise RequestError(422, f"{label} is not a rectangular array of numbers: {e}") from None
-    return a
+        raise RequestError(422, f"{label} is not a rectangular array of numbers: {str(e)[:200]}") from None
+    if a.ndim > MAX_DIMS:
+        raise RequestError(422, f"{label} has {a.ndim} dimensions")
+    if a.size and a.dtype.kind not in kinds:
+        raise RequestError(422, f"{label} must hold {want} only, got elements of kind {a.dtype.kind!r} "
+                                f"(strings, booleans, nulls{', fractions' if want == 'integers' else ''} are refused)")
+    try:
+        with np.errstate(over="ignore"):  # 1e300 -> inf in float32, refused later as not finite
+            return a.astype(dtype, copy=False)
+    except (OverflowError, ValueError) as e:
+        raise RequestError(422, f"{label}: {e}") from None
 
 
 def _unknown(doc: Any, allowed: tuple, what: str) -> None:
@@ -167,6 +187,13 @@ def check_obs(macro: np.ndarray, micro: np.ndarray, cfg: NetConfig) -> tuple[np.
     _check_finite(macro, "macro")
     _check_finite(micro, "micro")
     return macro, micro
+
+
+def check_output(q: np.ndarray) -> None:
+    """Finite inputs can still overflow the network (e.g. 3e38): refuse instead of answering
+    with NaN Q-values and arbitrary actions."""
+    if not np.isfinite(q).all():
+        raise RequestError(422, "observations out of range: the network's Q-values are not finite for them")
 
 
 def decision_doc(actions: np.ndarray, q: Optional[np.ndarray], version: int, mt: str, branches: tuple) -> dict:
@@ -248,10 +275,16 @@ class Policy:
 
 
 def policy_from_checkpoint(path: str | Path) -> Policy:
-    """The greedy policy of a checkpoint; version = the learner's weight version in it."""
-    from apex_bdq.checkpoint import load_policy, load_checkpoint
+    """The greedy policy of a checkpoint (the file is read once: a replacement racing the
+    load cannot mix two versions); version = the learner's weight version in it."""
+    from apex_bdq.checkpoint import CheckpointError, load_checkpoint, net_config_of
+    from apex_bdq.config import ConfigError
     ck = load_checkpoint(path)
-    net = load_policy(path).net
+    try:
+        net = BDQNetwork(net_config_of(ck))
+        net.load_state_dict(ck["learner"]["net"])
+    except (KeyError, TypeError, RuntimeError, ConfigError) as e:
+        raise CheckpointError(f"checkpoint {str(path)!r}: no usable network in it: {e}") from e
     version = int(ck["learner"].get("version", ck.get("counters", {}).get("updates", 0)))
     return Policy(net.eval(), version, f"checkpoint:{Path(path).resolve()}")
 
@@ -317,15 +350,24 @@ class PolicyHolder:
             return policy_from_checkpoint(path)
         self._start(poll, every_s)
 
-    def follow(self, store, every_s: float = 1.0) -> None:
-        """`store`: a WeightStore actor handle (learner.weight_store)."""
+    def follow(self, store, every_s: float = 1.0, lookup: Optional[Callable[[], Any]] = None) -> None:
+        """`store`: a WeightStore actor handle (learner.weight_store). When it dies (its run
+        ended), `lookup()` finds the next one by name and any version of it is taken."""
         import ray
+        state = {"store": store, "baseline": self.policy.version}
 
         def poll() -> Optional[Policy]:
-            got = ray.get(store.get_if_newer.remote(self.policy.version), timeout=30)
+            try:
+                got = ray.get(state["store"].get_if_newer.remote(state["baseline"]), timeout=30)
+            except ray.exceptions.RayActorError:
+                if lookup is None:
+                    raise
+                state["store"], state["baseline"] = lookup(), -1  # raises while no run has a store
+                return None
             if got is None:
                 return None
             version, refs = got
+            state["baseline"] = version
             return policy_from_state(self.cfg, ray.get(refs[0], timeout=60), version, "weight-store")
         self._start(poll, every_s)
 

@@ -160,15 +160,15 @@ class ApexRun:
     def _weight_store(self, Store):
         """The weight store, registered by name so Serve can follow the run; a second run on
         the same cluster (the name taken) gets an unnamed one and says so."""
-        import ray
         from learner.weight_store import WEIGHT_STORE_NAME
         from actors.preference_actor import NAMESPACE
         meta = {"net": dataclasses.asdict(self.cfg.net), "branches": list(self.cfg.sim.branch_names)}
-        try:
-            ray.get_actor(WEIGHT_STORE_NAME, namespace=NAMESPACE)
-        except ValueError:
+        try:  # creating under a taken name raises; no check-then-create race between two runs
+            store = Store.options(name=WEIGHT_STORE_NAME, namespace=NAMESPACE).remote(meta)
             self.store_named = True
-            return Store.options(name=WEIGHT_STORE_NAME, namespace=NAMESPACE).remote(meta)
+            return store
+        except ValueError:
+            pass
         print(f"note: a weight store {WEIGHT_STORE_NAME!r} already runs on this cluster (another run); this run's "
               f"store is unnamed, so `launch.serve --follow` follows the other run")
         self.store_named = False

@@ -38,6 +38,7 @@ from apex_bdq import serving as S
 
 APP_NAME = "apex_bdq"
 FORWARD_THREAD_MIN_SHARDS = 128
+FEEDBACK_TIMEOUT_S = 30.0
 DEPLOYMENT_NAME = "DecisionService"
 
 
@@ -102,9 +103,20 @@ class FeedbackRequest(BaseModel):
                                                 "[T, K, H, Fu], action [T, D], metrics, source}")
 
 
+def _inline_refs(node, defs: dict):
+    """Replace {"$ref": "#/$defs/X"} by the definition (the request body schema stands alone)."""
+    if isinstance(node, dict):
+        if "$ref" in node:
+            return _inline_refs(defs[node["$ref"].rsplit("/", 1)[-1]], defs)
+        return {k: _inline_refs(v, defs) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_inline_refs(v, defs) for v in node]
+    return node
+
+
 def _body_doc(model) -> dict:
-    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
-    schema.pop("$defs", None)
+    schema = model.model_json_schema()
+    schema = _inline_refs(schema, schema.pop("$defs", {}))
     return {"requestBody": {"required": True, "content": {
         S.JSON: {"schema": schema},
         S.MSGPACK: {"schema": {"type": "object", "description": "the same fields; arrays may also be "
@@ -119,6 +131,13 @@ app = FastAPI(title="apex-bdq decisions", version="1",
 async def _request_error(request: Request, e: S.RequestError):
     headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
     return JSONResponse({"error": e.message}, status_code=e.status, headers=headers)
+
+
+def _check_length(request: Request) -> None:
+    """Refuse an oversized body before reading it."""
+    n = request.headers.get("content-length")
+    if n is not None and n.isdigit() and int(n) > S.MAX_BODY_BYTES:
+        raise S.RequestError(413, f"body of {n} bytes is over the limit of {S.MAX_BODY_BYTES}")
 
 
 def _timing(**ms: float) -> str:
@@ -152,7 +171,8 @@ class DecisionService:
                 time.sleep(0.5)
             policy = S.policy_from_state(net_cfg, ray.get(got[1][0]), got[0], "weight-store")
             self.holder = S.PolicyHolder(policy)
-            self.holder.follow(store, opts.reload_s)
+            self.holder.follow(store, opts.reload_s,
+                               lookup=lambda: ray.get_actor(WEIGHT_STORE_NAME, namespace=NAMESPACE))
         else:
             from apex_bdq.checkpoint import load_checkpoint
             from apex_bdq.config import sim_config_from_dict
@@ -218,10 +238,12 @@ class DecisionService:
     async def _decide_http(self, request: Request) -> Response:
         t0 = time.perf_counter()
         mt = S.media_type(request.headers.get("content-type"))
+        _check_length(request)
         doc = S.decode_body(await request.body(), mt)
         macro, micro, include_q = S.parse_decide(doc, self.holder.cfg)
         t1 = time.perf_counter()
         actions, q, version, queue_ms, model_ms, batch = await self._decide(macro, micro)
+        S.check_output(q)
         t2 = time.perf_counter()
         out_mt = S.MSGPACK if mt in S.MSGPACK_TYPES else S.JSON
         body = S.encode_body(S.decision_doc(actions, q if include_q else None, version, out_mt, self.branches), out_mt)
@@ -249,6 +271,7 @@ class DecisionService:
                 raise
             raise S.RequestError(422, f"observations are not numeric arrays: {e}") from None
         actions, q, version, queue_ms, model_ms, batch = await self._decide(macro, micro)
+        S.check_output(q)
         self.served += macro.shape[0]
         return {"actions": actions, "q": q if include_q else None, "version": version,
                 "timing_ms": {"queue": queue_ms, "model": model_ms, "replica": (time.perf_counter() - t0) * 1e3},
@@ -284,10 +307,14 @@ class DecisionService:
         from apex_bdq.preference import FeedbackError, UnknownSegment
         self._authorise(request)
         mt = S.media_type(request.headers.get("content-type"))
+        _check_length(request)
         pairs, segments = S.parse_feedback(S.decode_body(await request.body(), mt), self.holder.cfg)
         actor = self._preference_actor()
         try:
-            results = await actor.rank_many.remote(pairs, segments, "http")
+            results = await asyncio.wait_for(actor.rank_many.remote(pairs, segments, "http"), FEEDBACK_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise S.RequestError(503, f"the preference actor did not answer within {FEEDBACK_TIMEOUT_S:.0f} s; retry "
+                                      f"(a pair it accepted meanwhile comes back as 'duplicate')") from None
         except ray.exceptions.RayTaskError as e:
             cause = getattr(e, "cause", None)
             if isinstance(cause, UnknownSegment):
@@ -316,6 +343,9 @@ class DecisionService:
         holder = getattr(self, "holder", None)
         if holder is not None:
             holder.stop()
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False)
 
 
 def build_app(opts: ServeOptions):
@@ -373,6 +403,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--feedback-log", default=None,
                     help="start a preference actor writing this log when no training run provides one")
     a = ap.parse_args(argv)
+    if a.feedback_log and a.follow:
+        print("error: --feedback-log needs --checkpoint (a following server uses the run's preference actor)",
+              file=sys.stderr)
+        return 2
     checkpoint = None if a.follow else (a.checkpoint or "runs/train/checkpoint.pt")
     if checkpoint is not None and not os.path.isfile(checkpoint):
         print(f"error: checkpoint {checkpoint!r} does not exist (train one with `make run`, or pass --checkpoint "
@@ -390,16 +424,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    if a.address is None and a.ingress == "haproxy":
-        os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
+    if a.address is None:
+        os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1" if a.ingress == "haproxy" else "0"
     import ray
     ray.init(address=a.address, logging_level="ERROR")
     if a.feedback_log:
         from apex_bdq.checkpoint import load_checkpoint, net_config_of
-        if checkpoint is None:
-            print("error: --feedback-log needs --checkpoint (a following server uses the run's preference actor)",
-                  file=sys.stderr)
-            return 2
         _, created = ensure_preference_actor(net_config_of(load_checkpoint(checkpoint)), a.feedback_log)
         print(f"feedback: {'started a preference actor writing' if created else 'a preference actor already runs;'} "
               f"{a.feedback_log if created else 'using it'}")

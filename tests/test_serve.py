@@ -135,7 +135,13 @@ def test_bad_requests_get_a_4xx_naming_the_problem(server):
     packed = {"dtype": "<f4", "shape": [2, NET.macro_features], "data": macro.tobytes()[:-4]}
     cases = [
         (b'{"macro": [1, 2', "application/json", 400, "not valid JSON"),
-        (json.dumps(good).replace("]]]]", "]]]], \"micro2\": NaN").encode(), "application/json", 400, "NaN"),
+        (json.dumps(good).replace("]]]]", "]]]], \"micro2\": NaN").encode(), "application/json", 400, "not valid JSON"),
+        (json.dumps({**good, "macro": [["1.5"] * 16] * 2}).encode(), "application/json", 422, "floats only"),
+        (json.dumps({**good, "macro": [[None] * 16] * 2}).encode(), "application/json", 422, "floats only"),
+        (msgpack.packb({"macro": {**packed, "shape": [1] * 70}, "micro": good["micro"]}, use_bin_type=True),
+         "application/msgpack", 422, "at most 8 sizes"),
+        (msgpack.packb({"macro": {**packed, "shape": [float("inf")]}, "micro": good["micro"]}, use_bin_type=True),
+         "application/msgpack", 422, "packed shape"),
         (b"\xc1\xc1", "application/msgpack", 400, "msgpack"),
         (b"{}", "text/plain", 415, "not supported"),
         (json.dumps({**good, "priority": 1}).encode(), "application/json", 422, "unknown field(s) ['priority']"),
@@ -203,22 +209,25 @@ def test_a_new_checkpoint_is_swapped_in_without_dropping_requests(server):
     macro, micro = obs(3, seed=9)
     with DecisionClient(url) as c:
         v0 = c.healthz()["version"]
-    seen, errors, stop = [], [], threading.Event()
+    per_thread, errors, stop = [[], [], []], [], threading.Event()
+    seen = []
 
-    def hammer():
+    def hammer(mine: list):
         with DecisionClient(url) as cc:
             while not stop.is_set():
                 try:
                     d = cc.decide(macro, micro)
-                    seen.append((d.version, d.actions.copy()))
+                    mine.append((d.version, d.actions.copy()))
+                    seen.append(mine[-1])
                 except Exception as e:  # noqa: BLE001 - any failure is a dropped request
                     errors.append(repr(e))
 
-    threads = [threading.Thread(target=hammer) for _ in range(3)]
+    threads = [threading.Thread(target=hammer, args=(mine,)) for mine in per_thread]
     for t in threads:
         t.start()
     time.sleep(1.0)
     new = write_checkpoint(ck, v0 + 1, seed=2)  # atomic replace; the server polls every 0.5 s
+    server["nets"][v0 + 1] = new
     deadline = time.time() + 30
     while time.time() < deadline and not any(v == v0 + 1 for v, _ in seen[-5:]):
         time.sleep(0.2)
@@ -227,8 +236,10 @@ def test_a_new_checkpoint_is_swapped_in_without_dropping_requests(server):
     for t in threads:
         t.join()
     assert not errors, errors[:3]
-    versions = [v for v, _ in seen]
-    assert versions[0] == v0 and versions[-1] == v0 + 1, (versions[:3], versions[-3:])
+    for mine in per_thread:  # each client sees the old version, then the new one, and never back
+        versions = [v for v, _ in mine]
+        assert versions[0] == v0 and versions[-1] == v0 + 1, (versions[:3], versions[-3:])
+        assert versions == sorted(versions)
     want = q_of(new, macro, micro).argmax(-1)
     assert all(np.array_equal(a, want) for v, a in seen if v == v0 + 1)
     with DecisionClient(url) as c:
@@ -277,3 +288,35 @@ def test_handle_path_follows_a_weight_store(tmp_path):
         serve.shutdown()
     finally:
         ray.shutdown()
+
+
+def test_concurrent_requests_are_batched_and_each_gets_its_own_answer(server):
+    """8 clients at once: some requests share a forward pass (X-Batch-Requests > 1), and every
+    answer is the checkpoint's Q for that request's own observations."""
+    url = server["url"]
+    results, errors = [], []
+
+    def client(i: int):
+        macro, micro = obs(1 + i % 3, seed=100 + i)
+        c = DecisionClient(url)
+        try:
+            for _ in range(15):
+                body = msgpack.packb({"macro": macro.tolist(), "micro": micro.tolist()})
+                st, h, raw = c.request("POST", "/v1/decide", body, "application/msgpack")
+                doc = msgpack.unpackb(raw)
+                q = np.frombuffer(doc["q"]["data"], dtype=doc["q"]["dtype"]).reshape(doc["q"]["shape"])
+                results.append((int(h["x-batch-requests"]), doc["version"], q, macro, micro))
+        except Exception as e:  # noqa: BLE001
+            errors.append(repr(e))
+        finally:
+            c.close()
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    assert max(r[0] for r in results) > 1
+    for batch, version, q, macro, micro in results:
+        np.testing.assert_allclose(q, q_of(server["nets"][version], macro, micro), rtol=1e-5, atol=1e-5)
