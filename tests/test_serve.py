@@ -320,3 +320,45 @@ def test_concurrent_requests_are_batched_and_each_gets_its_own_answer(server):
     assert max(r[0] for r in results) > 1
     for batch, version, q, macro, micro in results:
         np.testing.assert_allclose(q, q_of(server["nets"][version], macro, micro), rtol=1e-5, atol=1e-5)
+
+
+def test_fuzzed_bodies_over_http_never_get_a_5xx_or_take_the_service_down(server):
+    """Random documents and bytes against the live endpoints (both content types, with and
+    without the token): every answer is below 500, and the service still decides after."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+    leaf = st.one_of(st.none(), st.booleans(), st.integers(-(2 ** 63), 2 ** 63 - 1), st.floats(width=32),
+                     st.text(max_size=4))
+    docs = st.recursive(leaf, lambda inner: st.lists(inner, max_size=5) | st.dictionaries(
+        st.sampled_from(["macro", "micro", "include_q", "pairs", "segments", "a", "b", "label", "x"]), inner,
+        max_size=4), max_leaves=30)
+    c = DecisionClient(server["url"])
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(doc=docs, raw=st.binary(max_size=64), path=st.sampled_from(["/v1/decide", "/v1/feedback"]),
+           kind=st.sampled_from(["json", "msgpack", "raw"]), auth=st.booleans())
+    def probe(doc, raw, path, kind, auth):
+        if kind == "raw":
+            body, ct = raw, "application/msgpack"
+        elif kind == "msgpack":
+            body, ct = msgpack.packb(doc, use_bin_type=True), "application/msgpack"
+        else:
+            body, ct = json.dumps(doc, allow_nan=False).encode() if _json_ok(doc) else b"{", "application/json"
+        headers = {"Authorization": f"Bearer {TOKEN}"} if auth else None
+        status, _, raw_out = c.request("POST", path, body, ct, headers)
+        assert status < 500, (path, kind, doc, raw_out[:200])
+
+    try:
+        probe()
+        macro, micro = obs(2, seed=5)
+        assert c.decide(macro, micro).actions.shape == (2, NET.num_branches)
+    finally:
+        c.close()
+
+
+def _json_ok(doc) -> bool:
+    try:
+        json.dumps(doc, allow_nan=False)
+        return True
+    except ValueError:
+        return False
