@@ -272,10 +272,24 @@ def test_handle_path_follows_a_weight_store(tmp_path):
         torch.manual_seed(5)
         net3, net5 = BDQNetwork(NET).eval(), BDQNetwork(NET).eval()
         ray.get(store.put.remote(3, state_to_numpy(net3)))
-        handle = start(ServeOptions(follow=True, replica_cpus=0.5, reload_s=0.3), port=free_port())
+        port = free_port()
+        handle = start(ServeOptions(follow=True, replica_cpus=0.5, reload_s=0.3, feedback_token="t"), port=port)
         macro, micro = obs(4, seed=11)
         r = handle.decide.remote(macro, micro).result()
         assert r["version"] == 3
+        with DecisionClient(f"http://127.0.0.1:{port}", token="t") as c:  # Serve's own proxy here
+            deadline = time.time() + 30
+            while True:
+                try:
+                    assert c.healthz()["source"] == "weight-store"
+                    break
+                except (OSError, ServiceError, http.client.HTTPException):
+                    if time.time() > deadline:
+                        raise
+                    time.sleep(0.3)
+            with pytest.raises(ServiceError) as e:  # no training run with preferences on this cluster
+                c.feedback([("a", "b", 1.0)])
+            assert e.value.status == 503 and "no preference actor" in e.value.message
         np.testing.assert_allclose(r["q"], q_of(net3, macro, micro), rtol=1e-5, atol=1e-5)
         with pytest.raises(Exception, match="micro must be"):
             handle.decide.remote(macro, micro[:, :2]).result()
