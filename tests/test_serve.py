@@ -299,6 +299,17 @@ def test_handle_path_follows_a_weight_store(tmp_path):
             time.sleep(0.2)
         assert r["version"] == 5
         np.testing.assert_array_equal(r["actions"], q_of(net5, macro, micro).argmax(-1))
+        # the run ends (its store is killed) and a new run registers a store starting at v1
+        ray.kill(store, no_restart=True)
+        time.sleep(1.0)
+        store2 = remote_store_class().options(name=WEIGHT_STORE_NAME, namespace=NAMESPACE).remote(
+            {"net": dataclasses.asdict(NET)})
+        ray.get(store2.put.remote(1, state_to_numpy(net3)))
+        deadline = time.time() + 30
+        while (r := handle.decide.remote(macro, micro).result())["version"] != 1 and time.time() < deadline:
+            time.sleep(0.3)
+        assert r["version"] == 1
+        np.testing.assert_allclose(r["q"], q_of(net3, macro, micro), rtol=1e-5, atol=1e-5)
         serve.shutdown()
     finally:
         ray.shutdown()
