@@ -89,8 +89,9 @@ class GreedyPolicy:
         return self.actions, None
 
 
-def load_policy(path: str | Path, sim_cfg: Optional[SimConfig] = None) -> GreedyPolicy:
-    ck = load_checkpoint(path)
+def network_of(ck: dict, path: str | Path, sim_cfg: Optional[SimConfig] = None) -> BDQNetwork:
+    """The network a loaded checkpoint holds (its config and weights), in eval mode; a
+    missing or mismatched part raises CheckpointError naming the file."""
     try:
         net_cfg = net_config_of(ck)
     except (KeyError, TypeError, ConfigError) as e:
@@ -102,6 +103,12 @@ def load_policy(path: str | Path, sim_cfg: Optional[SimConfig] = None) -> Greedy
         net.load_state_dict(ck["learner"]["net"])
     except (KeyError, TypeError, RuntimeError) as e:
         raise CheckpointError(f"checkpoint {str(path)!r}: weights do not match its network config: {e}") from e
+    return net.eval()
+
+
+def load_policy(path: str | Path, sim_cfg: Optional[SimConfig] = None) -> GreedyPolicy:
+    ck = load_checkpoint(path)
+    net = network_of(ck, path, sim_cfg)
     k = int(ck["config"].get("agent", {}).get("decision_ticks", 1))
     return GreedyPolicy(net, decision_ticks=k, name=f"checkpoint:{Path(path).name}")
 

@@ -277,14 +277,9 @@ class Policy:
 def policy_from_checkpoint(path: str | Path) -> Policy:
     """The greedy policy of a checkpoint (the file is read once: a replacement racing the
     load cannot mix two versions); version = the learner's weight version in it."""
-    from apex_bdq.checkpoint import CheckpointError, load_checkpoint, net_config_of
-    from apex_bdq.config import ConfigError
+    from apex_bdq.checkpoint import load_checkpoint, network_of
     ck = load_checkpoint(path)
-    try:
-        net = BDQNetwork(net_config_of(ck))
-        net.load_state_dict(ck["learner"]["net"])
-    except (KeyError, TypeError, RuntimeError, ConfigError) as e:
-        raise CheckpointError(f"checkpoint {str(path)!r}: no usable network in it: {e}") from e
+    net = network_of(ck, path)
     version = int(ck["learner"].get("version", ck.get("counters", {}).get("updates", 0)))
     return Policy(net.eval(), version, f"checkpoint:{Path(path).resolve()}")
 
