@@ -12,6 +12,7 @@ finds every pair it ever accepted, with the segment data the learner needs.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import OrderedDict
 from typing import Optional
@@ -64,6 +65,7 @@ class PreferenceActor:
                 if p.heldout:
                     self.heldout_ids.update((p.a, p.b))
         self.replayed_pairs = len(self.pairs) + len(self.heldout)
+        self.oracle_ranked = sum(p.source == "oracle" for p in self.pairs + self.heldout)  # its budget is spent
 
     # -- segments ---------------------------------------------------------------------------
     def _check(self, s: Segment) -> None:
@@ -226,11 +228,15 @@ class PreferenceActor:
         _, ex = batch_preference_loss(net.utilities, batch, next(net.parameters()).device)
         return float(ex["accuracy"])
 
+    def pair_keys(self) -> list[tuple[str, str]]:
+        """Every accepted pair (training and held out), as its order-free key."""
+        return [p.key() for p in self.pairs + self.heldout]
+
     def stats(self) -> dict:
         return {"pairs": len(self.pairs), "heldout_pairs": len(self.heldout), "oracle_ranked": self.oracle_ranked,
                 "unranked_segments": len(self.unranked), "ranked_segments": len(self.ranked),
                 "refused": self.refused, "duplicates": self.duplicates, "replayed_pairs": self.replayed_pairs,
-                "log_path": self.log.path}
+                "log_path": self.log.path, "pid": os.getpid()}
 
     def close(self) -> None:
         self.log.close()

@@ -56,8 +56,12 @@ class ClusterSpec:
     samples_per_insert: Optional[float] = None
     error_buffer: float = 0.0
     use_placement_resources: bool = True  # ask for rollout / learner units (cluster.yaml node types)
-    max_restarts: int = 0
+    max_restarts: int = 0  # per actor / shard / store, and Ray Train worker-group failures (-1: no limit)
     storage_path: Optional[str] = None
+    checkpoint_path: Optional[str] = None  # each new learner checkpoint is copied here as it lands
+    replay_snapshot_dir: Optional[str] = None  # replay shards snapshot here (and a resume loads them)
+    replay_snapshot_every_s: float = 0.0
+    replay_on_restart: str = "snapshot"  # a restarted shard: "snapshot" (if one exists) or "empty"
 
     def __post_init__(self) -> None:
         for k in ("num_actors", "num_replay_shards", "num_learners", "max_in_flight", "weight_pull_every",
@@ -68,6 +72,14 @@ class ClusterSpec:
             raise ConfigError(f"unknown backend {self.backend!r}: choose from {', '.join(BACKENDS)}")
         if self.shards_per_actor is not None and self.shards_per_actor < 1:
             raise ConfigError(f"shards-per-actor must be >= 1, got {self.shards_per_actor}")
+        if self.max_restarts < -1:
+            raise ConfigError(f"max-restarts must be >= -1 (-1: no limit), got {self.max_restarts}")
+        if self.replay_on_restart not in ("snapshot", "empty"):
+            raise ConfigError(f"replay-on-restart must be 'snapshot' or 'empty', got {self.replay_on_restart!r}")
+        if self.replay_snapshot_every_s < 0:
+            raise ConfigError(f"replay-snapshot-every must be >= 0, got {self.replay_snapshot_every_s}")
+        if self.replay_snapshot_every_s > 0 and not self.replay_snapshot_dir:
+            raise ConfigError("replay-snapshot-every needs --replay-snapshot-dir")
 
 
 def local_ray_init(spec: ClusterSpec, address: Optional[str] = None, **kwargs) -> None:
@@ -96,9 +108,22 @@ class ApexRun:
         self.heldout_every = heldout_every
         self.history: list[dict] = []
         self.t_offset = 0.0
+        self.env_steps_base = 0  # env steps of the runs this one resumes
         if resume is not None:
-            self.history = list(resume.get("counters", {}).get("history", []))
+            c = resume.get("counters", {})
+            self.history = list(c.get("history", []))
             self.t_offset = float(self.history[-1]["t_s"]) if self.history else 0.0
+            self.env_steps_base = int(c.get("env_steps", 0))
+        # Supervision: restarted rollout actors get their loop back; their counters carry on.
+        self.recoveries = {"rollout": 0, "replay": 0, "learner": 0, "preference": 0}
+        self.dead_actors: set = set()
+        self._actor_seen: dict = {}  # actor -> (pid, env_steps, overload_ticks) last seen
+        self._actor_offset: dict = {}  # actor -> (env_steps, overload_ticks) of its dead incarnations
+        self._shard_pids: dict = {}
+        self._pref_pid = None
+        self._last_copied = None
+        self._restarts: dict = {}
+        self.feedback_log = None
 
     # -- components ------------------------------------------------------------------------
     def _placement(self, kind: str) -> dict:
@@ -126,10 +151,14 @@ class ApexRun:
         self.store = self._weight_store(remote_store_class(max_restarts=s.max_restarts))
         per_shard = max(a.batch_size, a.replay_capacity // s.num_replay_shards)
         device = "cuda" if s.use_gpu and s.replay_gpus > 0 else "cpu"
+        snap = os.path.abspath(s.replay_snapshot_dir) if s.replay_snapshot_dir else None
         self.shard_cfg = ShardConfig(capacity=per_shard, alpha=a.alpha, beta0=a.beta0, beta_steps=a.beta_steps,
                                      min_size=max(a.batch_size, a.learning_starts // s.num_replay_shards),
                                      samples_per_insert=s.samples_per_insert, error_buffer=s.error_buffer,
-                                     device=device, seed=self.cfg.seed, fields=transition_fields(self.cfg.net))
+                                     device=device, seed=self.cfg.seed, fields=transition_fields(self.cfg.net),
+                                     snapshot_dir=snap, snapshot_every_s=s.replay_snapshot_every_s,
+                                     on_restart=s.replay_on_restart,
+                                     load_snapshot=self.resume is not None and snap is not None)
         Shard = remote_shard_class(num_cpus=s.replay_cpus, num_gpus=s.replay_gpus if device == "cuda" else 0.0,
                                    resources=self._placement("learner"), max_restarts=s.max_restarts)
         self.shards = [Shard.remote(i, self.shard_cfg) for i in range(s.num_replay_shards)]
@@ -143,7 +172,8 @@ class ApexRun:
         self.pref = None
         if self.cfg.pref.enabled:
             from actors.preference_actor import NAMESPACE, PREFERENCE_ACTOR_NAME, remote_preference_class
-            log = os.path.abspath(self.cfg.pref.log_path or
+            resumed_log = (self.resume or {}).get("counters", {}).get("feedback_log")
+            log = os.path.abspath(self.cfg.pref.log_path or resumed_log or  # a resume keeps adding to its log
                                   os.path.join("runs", "feedback", f"apex-{time.strftime('%Y%m%d-%H%M%S')}.log"))
             self.feedback_log = log
             Pref = remote_preference_class(max_restarts=-1)  # it replays its log: restarting loses nothing
@@ -185,36 +215,150 @@ class ApexRun:
             env["TORCH_EXTENSIONS_DIR"] = os.environ["TORCH_EXTENSIONS_DIR"]
         per_worker = {"CPU": s.learner_cpus, **self._placement("learner")}
         storage = s.storage_path or os.path.join(tempfile.gettempdir(), "apex_bdq_train")
+        self.storage, self.run_name = storage, f"apex_bdq_{int(time.time())}"
         config = {"cfg": config_to_dict(self.cfg), "backend": s.backend, "shards": self.shards, "specs": self.specs,
                   "shard_cfg": self.shard_cfg, "store": self.store, "minutes": minutes, "max_updates": max_updates,
+                  "deadline": time.time() + minutes * 60.0,
                   "publish_every": s.publish_every, "checkpoint_every_s": s.checkpoint_every_s, "use_gpu": s.use_gpu,
                   "resume": self.resume, "torch_threads": max(1, int(s.learner_cpus)),
                   "preference": self.pref}
         return TorchTrainer(train_loop_per_worker, train_loop_config=config,
                             scaling_config=ScalingConfig(num_workers=s.num_learners, use_gpu=s.use_gpu,
                                                          resources_per_worker=per_worker),
-                            run_config=RunConfig(name=f"apex_bdq_{int(time.time())}", storage_path=storage,
+                            run_config=RunConfig(name=self.run_name, storage_path=storage,
                                                  failure_config=FailureConfig(max_failures=s.max_restarts),
                                                  checkpoint_config=CheckpointConfig(num_to_keep=2),
                                                  worker_runtime_env={"env_vars": env}))
 
     # -- monitoring --------------------------------------------------------------------------
-    def status(self) -> dict:
+    @staticmethod
+    def _answers(refs: list, timeout_s: float = 5.0) -> list:
+        """ray.get of each ref, None for those whose actor is dead, restarting or silent."""
         import ray
-        st = ray.get(self.store.status.remote())
-        shards = ray.get([sh.stats.remote() for sh in self.shards])
-        actors = ray.get([a.stats.remote() for a in self.actors])
+        live = [r for r in refs if r is not None]
+        done = set(ray.wait(live, num_returns=len(live), timeout=timeout_s)[0]) if live else set()
+        out = []
+        for r in refs:
+            try:
+                out.append(ray.get(r) if r is not None and r in done else None)
+            except ray.exceptions.RayActorError:
+                out.append(None)
+        return out
+
+    def status(self) -> dict:
+        """The run's figures. A component that is dead or restarting is listed under
+        `unavailable` instead of failing the call; counters of restarted rollout actors carry
+        on from their previous incarnation."""
+        st, pref, *rest = self._answers([self.store.status.remote(),
+                                         self.pref.stats.remote() if self.pref is not None else None] +
+                                        [sh.stats.remote() for sh in self.shards] +
+                                        [a.stats.remote() for a in self.actors])
+        shards_all, actors_all = rest[:len(self.shards)], rest[len(self.shards):]
+        st = st or {"version": -1, "learner": {}, "learner_restarts": 0, "updates_lost": 0, "unavailable": True}
+        for j, x in enumerate(shards_all):  # a shard answering from a new process was restarted
+            if x is not None:
+                if self._shard_pids.get(j) not in (None, x["pid"]):
+                    self.recoveries["replay"] += 1
+                self._shard_pids[j] = x["pid"]
+        if pref is not None:
+            if self._pref_pid not in (None, pref.get("pid")):
+                self.recoveries["preference"] += 1
+            self._pref_pid = pref.get("pid")
+        for x in actors_all:
+            if x is None:
+                continue
+            i = x["actor"]
+            seen = self._actor_seen.get(i)
+            if seen is not None and seen[0] != x["pid"]:  # a new incarnation: keep what the old one did
+                off = self._actor_offset.get(i, (0, 0))
+                self._actor_offset[i] = (off[0] + seen[1], off[1] + seen[2])
+            self._actor_seen[i] = (x["pid"], x["env_steps"], x["overload_ticks"])
+            off = self._actor_offset.get(i, (0, 0))
+            x["env_steps"] += off[0]
+            x["overload_ticks"] += off[1]
+        shards = [x for x in shards_all if x is not None]
+        actors = [x for x in actors_all if x is not None]
+        self.recoveries["learner"] = int(st.get("learner_restarts", 0))
         versions = [x["weight_version"] for x in actors]
         # Staleness of the acting weights in learner updates: the learner's newest update
         # (published or not) minus the oldest version an actor acts with.
         newest = max(st["version"], int((st["learner"] or {}).get("updates", -1)))
         lag = max(0, newest - min(versions)) if versions and st["version"] >= 0 else 0
         self.store.record_driver_metrics.remote(lag, len(actors))
-        pref = ray.get(self.pref.stats.remote()) if self.pref is not None else None
+        # Env steps: live actors plus the last figure seen of any not answering right now.
+        env = sum(x["env_steps"] for x in actors) + sum(
+            self._actor_seen[i][1] + self._actor_offset.get(i, (0, 0))[0] for i in self._actor_seen
+            if i not in {x["actor"] for x in actors})
         return {"version": st["version"], "learner": st["learner"], "weight_lag": lag, "preference": pref,
                 "replay_size": sum(x["size"] for x in shards), "inserted": sum(x["inserted"] for x in shards),
-                "sampled": sum(x["sampled"] for x in shards), "env_steps": sum(x["env_steps"] for x in actors),
-                "actors": actors, "shards": shards}
+                "sampled": sum(x["sampled"] for x in shards), "env_steps": self.env_steps_base + env,
+                "actors": actors, "shards": shards, "recoveries": dict(self.recoveries),
+                "updates_lost": int(st.get("updates_lost", 0)),
+                "unavailable": {"actors": [i for i, x in enumerate(actors_all) if x is None],
+                                "shards": [j for j, x in enumerate(shards_all) if x is None],
+                                "preference": self.pref is not None and pref is None,
+                                "weight_store": bool(st.get("unavailable"))}}
+
+    def _supervise(self) -> None:
+        """Give a restarted rollout actor its loop back (Ray restarts the process, not the
+        call that was running); one that is out of restarts is dropped, and the run stops
+        with the reason when none is left. Any other actor failure stops the run."""
+        import ray
+        for i, ref in enumerate(self.actor_runs):
+            if ref is None:
+                continue
+            ready, _ = ray.wait([ref], timeout=0)
+            if not ready:
+                continue
+            try:
+                ray.get(ref)
+                self.actor_runs[i] = None  # finished: the stop flag
+            except ray.exceptions.RayError as e:
+                n = self.recoveries["rollout"]
+                limit = self.spec.max_restarts
+                restarts = self._restarts.get(i, 0)
+                if not isinstance(e, ray.exceptions.RayActorError) or limit == 0 or (limit > 0 and restarts >= limit):
+                    self.actor_runs[i] = None
+                    self.dead_actors.add(i)
+                    if not isinstance(e, ray.exceptions.RayActorError):
+                        raise RuntimeError(f"rollout actor {i} failed: {e}") from e
+                    print(f"rollout actor {i} died and has no restarts left (--max-restarts {limit}): "
+                          f"{type(e).__name__}: {str(e).splitlines()[0]}")
+                    if len(self.dead_actors) == len(self.actors):
+                        raise RuntimeError("every rollout actor died and none has restarts left "
+                                           f"(--max-restarts {limit}); the learner has no more data") from e
+                    continue
+                self._restarts[i] = restarts + 1
+                self.recoveries["rollout"] = n + 1
+                self.actor_runs[i] = self.actors[i].run.remote()  # queued until the actor is back
+
+    def _copy_latest_checkpoint(self) -> None:
+        """Copy the newest learner checkpoint to spec.checkpoint_path as it lands, with the
+        driver's counters, so a crashed or cancelled run can be resumed from that path."""
+        import glob
+        from learner.train_loop import CHECKPOINT_NAME
+        if not self.spec.checkpoint_path or "://" in getattr(self, "storage", "://"):
+            return
+        found = glob.glob(os.path.join(self.storage, self.run_name, "checkpoint_*", CHECKPOINT_NAME))
+        if not found:
+            return
+        newest = max(found, key=os.path.getmtime)
+        key = (newest, os.path.getmtime(newest))
+        if key == self._last_copied:
+            return
+        try:
+            ck = load_checkpoint(newest)  # a file still being written fails here: try again later
+        except CheckpointError:
+            return
+        from apex_bdq.checkpoint import save_checkpoint
+        save_checkpoint(self.spec.checkpoint_path, ck["config"], ck["learner"],
+                        {**ck["counters"], **self.counters()})
+        self._last_copied = key
+
+    def counters(self, st: Optional[dict] = None) -> dict:
+        """What a checkpoint carries besides the learner: env steps, learning curve, feedback log."""
+        env = (st or {}).get("env_steps", getattr(self, "_last_env_steps", self.env_steps_base))
+        return {"env_steps": int(env), "history": list(self.history), "feedback_log": self.feedback_log}
 
     def current_policy_net(self):
         import ray
@@ -249,12 +393,24 @@ class ApexRun:
         th.start()
         next_eval = self.cfg.eval_every_s
         last = None
+        failure = None
         while th.is_alive():
             th.join(timeout=2.0)
             try:
+                self._supervise()
+            except RuntimeError as e:  # no rollout actor left: stop the learner, report why
+                failure = e
+                self.store.set_stop.remote(True)
+                break
+            try:
                 st = self.status()
+                self._last_env_steps = st["env_steps"]
             except ray.exceptions.RayError as e:
                 st = {"error": repr(e)}
+            try:
+                self._copy_latest_checkpoint()
+            except OSError as e:
+                print(f"note: copying the latest checkpoint to {self.spec.checkpoint_path} failed: {e}")
             now = time.perf_counter() - t0
             if last is not None and "env_steps" in st:
                 dt = now - last[0]
@@ -278,10 +434,16 @@ class ApexRun:
         self.store.set_stop.remote(True)
         for sh in self.shards:  # no learner any more: let blocked inserts through so actors can stop
             sh.release.remote()
-        try:
-            actor_stats = ray.get(self.actor_runs, timeout=120)
-        except ray.exceptions.RayError as e:
-            actor_stats = [{"error": repr(e)}]
+        actor_stats = []
+        for i, ref in enumerate(self.actor_runs):
+            if ref is None:
+                continue
+            try:
+                actor_stats.append(ray.get(ref, timeout=120))
+            except ray.exceptions.RayError as e:
+                actor_stats.append({"actor": i, "error": repr(e)})
+        if failure is not None:
+            raise failure
         if "error" in box:
             raise box["error"]
         result = box["result"]

@@ -106,7 +106,7 @@ class LocalTrainer:
     def checkpoint(self, path: str | Path) -> None:
         save_checkpoint(path, config_to_dict(self.cfg), self.learner.state_dict(),
                         {"decisions": self.decisions, "env_steps": self.rollout.env_steps, "updates": self.learner.updates,
-                         "history": self.history})
+                         "history": self.history, "feedback_log": self.pref.log.path if self.pref is not None else None})
 
     def resume(self, path: str | Path) -> None:
         """Warm start: weights, target, optimiser (its learning rate included), counters and
@@ -302,7 +302,7 @@ def run_distributed(cfg: TrainConfig, a, spec) -> dict:
                               "hpa_slo_violation_rate": final["hpa_slo_violation_rate"]}]
     ck = copy_checkpoint(out["result"], a.checkpoint) if a.checkpoint else None
     if ck is not None:
-        annotate_checkpoint(ck, {"env_steps": st["env_steps"], "history": history})
+        annotate_checkpoint(ck, {"env_steps": st["env_steps"], "history": history, "feedback_log": run.feedback_log})
     train_s = out["train_seconds"]
     return {**{k: final[k] for k in ("eval_reward", "hpa_eval_reward", "slo_violation_rate", "hpa_slo_violation_rate")},
             "learned": final["learned"], "hpa": final["hpa"], "train_seconds": train_s,
@@ -337,13 +337,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m launch.train", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--local", action="store_true", help="train in this process without Ray (debugging)")
-    ap.add_argument("--preset", default="default", choices=sorted(PRESETS))
+    ap.add_argument("--preset", choices=sorted(PRESETS),
+                    help="the config to start from (default: 'default', or the resumed checkpoint's own config)")
     ap.add_argument("--minutes", type=float, help="override the preset's training time")
     ap.add_argument("--trace", help="CSV trace (default: the bundled one)")
     ap.add_argument("--seed", type=int)
     ap.add_argument("--json", help="write the final evaluation against HPA here")
     ap.add_argument("--checkpoint", default="runs/train/checkpoint.pt", help="where to save the checkpoint")
-    ap.add_argument("--resume", help="continue from this checkpoint")
+    ap.add_argument("--resume", metavar="PATH|auto",
+                    help="continue from this checkpoint: weights, target network, optimiser, counters, learning "
+                         "curve, preference head and feedback log. 'auto': from --checkpoint if it exists, else "
+                         "start fresh (a resubmitted job picks up where the last one stopped)"),
     ap.add_argument("--curve", help="write the learning-curve PNG here")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config field, e.g. --set agent.lr=3e-4 --set sim.num_shards=32 (repeatable)")
@@ -362,7 +366,17 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="rate limiter: transitions sampled per transition inserted (default: off, Ape-X style)")
     g.add_argument("--error-buffer", type=float,
                    help="rate limiter slack in sampled transitions (default: 4096 x samples-per-insert)")
-    g.add_argument("--max-restarts", type=int, default=0, help="restarts of actors, shards and learners")
+    g.add_argument("--max-restarts", type=int, default=0,
+                   help="restarts of each rollout actor, replay shard and the weight store, and learner-group "
+                        "failures Ray Train recovers from its last checkpoint (-1: no limit)")
+    g.add_argument("--replay-snapshot-dir", help="replay shards snapshot their memory here; a --resume run loads "
+                                                 "the snapshots found there")
+    g.add_argument("--replay-snapshot-every", type=float, default=0.0, metavar="S",
+                   help="seconds between replay snapshots (default: 0, none)")
+    g.add_argument("--replay-on-restart", choices=("snapshot", "empty"), default="snapshot",
+                   help="what a restarted replay shard comes back with (default: its last snapshot, else empty)")
+    g.add_argument("--checkpoint-every", type=float, default=60.0, metavar="S",
+                   help="seconds between learner checkpoints (each copied to --checkpoint as it lands)")
     g.add_argument("--storage-path", help="Ray Train storage (checkpoints); default: a temp dir")
     g.add_argument("--no-dashboard", action="store_true",
                    help="start the local cluster without the Ray dashboard (saves ~1 s and ~100 MB; Ray Train's "
@@ -377,7 +391,20 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     a = ap.parse_args(argv)
-    cfg = PRESETS[a.preset]
+    resume_ck = None
+    try:
+        if a.resume == "auto":
+            a.resume = a.checkpoint if a.checkpoint and os.path.exists(a.checkpoint) else None
+            print(f"--resume auto: {'continuing from ' + a.resume if a.resume else 'no checkpoint yet, starting fresh'}")
+        if a.resume:
+            resume_ck = load_checkpoint(a.resume)
+        if a.preset is None and resume_ck is not None:
+            cfg = train_config_from_dict(resume_ck["config"])  # the run it continues, unless told otherwise
+        else:
+            cfg = PRESETS[a.preset or "default"]
+    except (ConfigError, CheckpointError, KeyError, TypeError, ValueError) as e:
+        print(f"error: --resume {a.resume!r}: {e}", file=sys.stderr)
+        return 2
     try:
         if a.minutes is not None:
             cfg = dataclasses.replace(cfg, minutes=a.minutes)
@@ -387,7 +414,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             cfg = dataclasses.replace(cfg, sim=cfg.sim.replace(trace=TraceConfig(path=a.trace)))
         cfg = apply_overrides(cfg, a.set)
         if a.local:
-            trainer = LocalTrainer(cfg)
+            log = (resume_ck or {}).get("counters", {}).get("feedback_log")
+            trainer = LocalTrainer(cfg, feedback_log=log if log and not cfg.pref.log_path else None)
             if a.resume:
                 trainer.resume(a.resume)
         else:
@@ -398,7 +426,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                                error_buffer=(a.error_buffer if a.error_buffer is not None else
                                              4096 * (a.samples_per_insert or 0.0)),
                                replay_gpus=0.25 if a.use_gpu else 0.0, max_restarts=a.max_restarts,
-                               storage_path=os.path.abspath(a.storage_path) if a.storage_path else None)
+                               storage_path=os.path.abspath(a.storage_path) if a.storage_path else None,
+                               checkpoint_path=os.path.abspath(a.checkpoint) if a.checkpoint else None,
+                               checkpoint_every_s=a.checkpoint_every, replay_snapshot_dir=a.replay_snapshot_dir,
+                               replay_snapshot_every_s=a.replay_snapshot_every,
+                               replay_on_restart=a.replay_on_restart)
     except (ConfigError, TraceError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

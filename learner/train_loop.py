@@ -45,16 +45,72 @@ class LocalShardSource:
     route = "shared-memory"
 
     def __init__(self, specs: list, capacity: int, fields: dict, limiter: RateLimiter, alpha: float, beta0: float,
-                 beta_steps: int, seed: int) -> None:
-        self.replays = [PrioritizedReplay.attach(s, capacity, fields, alpha=alpha, beta0=beta0, beta_steps=beta_steps,
-                                                 seed=seed + i) for i, s in enumerate(specs)]
+                 beta_steps: int, seed: int, handles: Optional[list] = None, probe_every_s: float = 1.0,
+                 unanswered_s: float = 2.0) -> None:
+        """handles: the shards' actor handles. With them, each shard is probed every
+        probe_every_s: one that does not answer within unanswered_s (dead, restarting) is
+        skipped, and one that comes back in a new process (a restart: new shared memory) is
+        attached again, so training goes on from the other shards meanwhile."""
+        self._attach_args = dict(capacity=capacity, fields=fields, alpha=alpha, beta0=beta0, beta_steps=beta_steps)
+        self.seed = seed
+        self.specs = list(specs)  # None: a shard that did not answer yet (attached once it does)
+        self.replays = [self._attach(i, s) if s is not None else None for i, s in enumerate(specs)]
         self.limiter = limiter
         self.i = 0
+        self.handles = handles
+        self.probe_every_s, self.unanswered_s = probe_every_s, unanswered_s
+        self.alive = [r is not None for r in self.replays]
+        self.probes: list = [None] * len(self.replays)
+        self.last_probe = time.perf_counter()
+        self.reattached = 0
+
+    def _attach(self, i: int, spec) -> PrioritizedReplay:
+        a = self._attach_args
+        return PrioritizedReplay.attach(spec, a["capacity"], a["fields"], alpha=a["alpha"], beta0=a["beta0"],
+                                        beta_steps=a["beta_steps"], seed=self.seed + i)
+
+    def refresh(self) -> None:
+        """Probe the shards (non-blocking): skip silent ones, re-attach restarted ones."""
+        if self.handles is None:
+            return
+        now = time.perf_counter()
+        if now - self.last_probe < self.probe_every_s:
+            return
+        self.last_probe = now
+        import ray
+        for j, h in enumerate(self.handles):
+            if self.probes[j] is None:
+                self.probes[j] = (h.shared_spec.remote(), now)
+                continue
+            ref, t = self.probes[j]
+            ready, _ = ray.wait([ref], timeout=0)
+            if not ready:
+                if now - t > self.unanswered_s:
+                    self.alive[j] = False
+                continue
+            self.probes[j] = None
+            try:
+                spec = ray.get(ref)
+            except ray.exceptions.RayActorError:
+                self.alive[j] = False
+                continue
+            if spec is None:
+                self.alive[j] = False
+                continue
+            old = self.specs[j]
+            if old is None or (spec.path, spec.owner_pid) != (old.path, old.owner_pid):  # a new incarnation
+                self.replays[j] = self._attach(j, spec)
+                self.specs[j] = spec
+                self.reattached += 1
+            self.alive[j] = True
 
     def try_sample(self, b: int):
+        self.refresh()
         for _ in range(len(self.replays)):
             j = self.i
             self.i = (self.i + 1) % len(self.replays)
+            if not self.alive[j]:
+                continue
             rb = self.replays[j]
             if self.limiter.can_sample(rb.size, rb.writes, rb.sampled, b):
                 s = rb.sample(b)
@@ -62,10 +118,11 @@ class LocalShardSource:
         return None
 
     def update(self, j: int, indices, generations, priorities) -> None:
+        # A batch sampled before its shard was re-attached updates the old memory: harmless.
         self.replays[j].update_priorities(indices, generations, priorities)
 
     def sizes(self) -> list[int]:
-        return [rb.size for rb in self.replays]
+        return [rb.size if rb is not None else 0 for rb in self.replays]
 
 
 class RemoteShardSource:
@@ -81,7 +138,10 @@ class RemoteShardSource:
         import ray
         j = self.i
         self.i = (self.i + 1) % len(self.shards)
-        out = ray.get(self.shards[j].sample.remote(b, 0.05))
+        try:
+            out = ray.get(self.shards[j].sample.remote(b, 0.05), timeout=30)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return None  # a dead or restarting shard: the next call tries the next one
         if out is None:
             return None
         return (j, torch.from_numpy(out["indices"]), torch.from_numpy(out["generations"]),
@@ -154,14 +214,34 @@ class Prefetcher:
         self.t.join(timeout=5)
 
 
+def current_specs(shards: list, specs: list, timeout_s: float = 30.0) -> list:
+    """The shards' shared-memory handles as of now: a shard restarted since the run began
+    (a learner group restarted by Ray Train starts here) has new memory; one that does not
+    answer is None (attached when it does)."""
+    import ray
+    refs = [sh.shared_spec.remote() for sh in shards]
+    ready = set(ray.wait(refs, num_returns=len(refs), timeout=timeout_s)[0])
+    out = []
+    for ref, old in zip(refs, specs):
+        try:
+            out.append(ray.get(ref) if ref in ready else None)
+        except ray.exceptions.RayActorError:
+            out.append(None)
+    return out
+
+
 def make_source(shards: list, specs: list, node_id: str, rank: int, world: int, shard_cfg, seed: int):
     """This worker's data route: the shards on its node (split between the node's workers by
-    rank), attached in place; or every shard by RPC when none shares its node."""
+    rank), attached in place; or every shard by RPC when none shares its node. `specs` are
+    the shards' handles when the run began (their nodes); the memory attached is the current."""
     local = [i for i, s in enumerate(specs) if s is not None and s.node_id == node_id]
     if local:
         mine = local[rank::world] if len(local) >= world else [local[rank % len(local)]]
-        return LocalShardSource([specs[i] for i in mine], shard_cfg.capacity, shard_cfg.fields, shard_cfg.limiter,
-                                shard_cfg.alpha, shard_cfg.beta0, shard_cfg.beta_steps, seed + 101 * rank), mine
+        now = current_specs([shards[i] for i in mine], [specs[i] for i in mine]) if shards is not None else \
+            [specs[i] for i in mine]
+        return LocalShardSource(now, shard_cfg.capacity, shard_cfg.fields, shard_cfg.limiter,
+                                shard_cfg.alpha, shard_cfg.beta0, shard_cfg.beta_steps, seed + 101 * rank,
+                                handles=[shards[i] for i in mine] if shards is not None else None), mine
     return RemoteShardSource(shards), list(range(len(shards)))
 
 
@@ -201,6 +281,16 @@ def train_loop_per_worker(config: dict) -> None:
     torch.manual_seed(cfg.seed)  # same initial weights on every rank
     net = BDQNetwork(cfg.net)
     resume = config.get("resume")
+    base_updates = int(resume["learner"].get("updates", 0)) if resume else 0  # max_updates counts from here
+    # A restarted worker group (Ray Train's FailureConfig) starts from the last checkpoint it
+    # reported; the updates since then are the steps lost to the failure.
+    restored_from = None
+    got = ray.train.get_checkpoint()
+    if got is not None:
+        from apex_bdq.checkpoint import load_checkpoint
+        with got.as_directory() as d:
+            resume = load_checkpoint(os.path.join(d, CHECKPOINT_NAME))
+        restored_from = int(resume["learner"].get("updates", 0))
     if resume:
         net.load_state_dict(resume["learner"]["net"])
     per_worker = max(1, a.batch_size // world)
@@ -216,6 +306,12 @@ def train_loop_per_worker(config: dict) -> None:
         updates = int(resume["learner"].get("updates", 0))
         version = int(resume["learner"].get("version", updates))
     store = config.get("store")
+    if store is not None and restored_from is not None:  # versions only go forward for readers
+        try:
+            version = max(version, int(ray.get(store.get_version.remote(), timeout=60)))
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            pass
+    start_id = f"{os.getpid()}-{time.time_ns()}"
     fixed = config.get("fixed_batches")
     pre = None
     route = "fixed"
@@ -229,7 +325,8 @@ def train_loop_per_worker(config: dict) -> None:
     pref_actor = config.get("preference")
     use_pref = pref_actor is not None and cfg.pref.beta > 0
     pref_batch, pref_next = None, None
-    budget = float(config.get("minutes", cfg.minutes)) * 60.0
+    # An absolute deadline, so a restarted group stops when the first one would have.
+    deadline = float(config.get("deadline") or (time.time() + float(config.get("minutes", cfg.minutes)) * 60.0))
     max_updates = config.get("max_updates")
     publish_every = int(config.get("publish_every", 50))
     report_every = max(1, publish_every // 5)
@@ -271,6 +368,8 @@ def train_loop_per_worker(config: dict) -> None:
         el = time.perf_counter() - t0
         waited = pre.wait_s if pre is not None else 0.0
         return {"updates": updates, "version": version, "td_loss": last["loss"], "q_mean": last["q_mean"],
+                "start_id": start_id, "restored_from_updates": restored_from, "pid": os.getpid(),
+                "replay_reattached": getattr(pre.source, "reattached", 0) if pre is not None else 0,
                 "pref_loss": last["pref_loss"], "pref_accuracy": last["pref_accuracy"],
                    "updates_per_s": step_i / max(el, 1e-9), "learner_wait_share": waited / max(waited + compute_s, 1e-9),
                    "route": route, "rank": rank, "world_size": world, "final": final, "elapsed_s": el,
@@ -300,7 +399,7 @@ def train_loop_per_worker(config: dict) -> None:
     try:
         held = None
         while True:
-            over = (time.perf_counter() - t0 >= budget) or (max_updates is not None and step_i >= max_updates) \
+            over = (time.time() >= deadline) or (max_updates is not None and updates - base_updates >= max_updates) \
                 or (fixed is not None and step_i >= len(fixed))
             if fixed is not None:
                 if not over:
@@ -327,7 +426,10 @@ def train_loop_per_worker(config: dict) -> None:
                     pref_next = pref_actor.sample.remote()
                 ready, _ = ray.wait([pref_next], timeout=0)
                 if ready:
-                    pref_batch = ray.get(pref_next) or pref_batch
+                    try:
+                        pref_batch = ray.get(pref_next) or pref_batch
+                    except ray.exceptions.RayActorError:
+                        pass  # the preference actor is restarting (it replays its log): ask again
                     pref_next = pref_actor.sample.remote()
                 step_pref = pref_batch
             tc = time.perf_counter()

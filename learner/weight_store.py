@@ -25,6 +25,10 @@ class WeightStore:
         self.stop = False
         self.learner: dict = {}
         self.published_at = 0.0
+        self.learner_restarts = 0
+        self.updates_lost = 0
+        self.max_updates_seen = 0
+        self._starts: set = set()
 
     def put(self, version: int, state: dict) -> int:
         """Publish weights (a dict of numpy arrays). The store re-puts them itself so that it
@@ -59,7 +63,19 @@ class WeightStore:
         return self.stop
 
     def report(self, metrics: dict) -> None:
-        self.learner = dict(metrics)
+        """The learner's latest figures. A report from a restarted learner group (new
+        start_id, restored from a checkpoint) counts a learner restart and the updates it
+        lost (those past the checkpoint it came back from)."""
+        m = dict(metrics)
+        sid = m.get("start_id")
+        if sid is not None and sid != self.learner.get("start_id") and m.get("restored_from_updates") is not None \
+                and sid not in self._starts:
+            self.learner_restarts += 1
+            self.updates_lost += max(0, self.max_updates_seen - int(m["restored_from_updates"]))
+        if sid is not None:
+            self._starts.add(sid)
+        self.max_updates_seen = max(self.max_updates_seen, int(m.get("updates", 0)))
+        self.learner = m
 
     def record_driver_metrics(self, version_lag: float, actors: int) -> None:
         from apex_bdq import metrics as M
@@ -68,7 +84,8 @@ class WeightStore:
 
     def status(self) -> dict:
         return {"version": self.version, "stop": self.stop, "learner": dict(self.learner),
-                "published_at": self.published_at}
+                "published_at": self.published_at, "learner_restarts": self.learner_restarts,
+                "updates_lost": self.updates_lost}
 
 
 def remote_store_class(max_restarts: int = 0):

@@ -78,6 +78,19 @@ class ShardConfig:
     insert_timeout_s: float = 600.0  # a blocked insert (learner gone?) fails after this
     seed: int = 0
     fields: dict = field(default_factory=dict)
+    # Durability (all off by default: replay is a cache of experience the actors regenerate).
+    snapshot_dir: Optional[str] = None  # where `snapshot()` writes replay_shard<i>.pt
+    snapshot_every_s: float = 0.0  # > 0: a background thread snapshots this often
+    on_restart: str = "snapshot"  # a restarted shard: "snapshot" (its last one, if any) or "empty"
+    load_snapshot: bool = False  # a fresh (not restarted) shard starts from its snapshot (a resume)
+
+    def __post_init__(self) -> None:
+        if self.on_restart not in ("snapshot", "empty"):
+            raise ValueError(f"replay on_restart must be 'snapshot' or 'empty', got {self.on_restart!r}")
+        if self.snapshot_every_s < 0:
+            raise ValueError(f"replay snapshot_every_s must be >= 0, got {self.snapshot_every_s}")
+        if self.snapshot_every_s > 0 and not self.snapshot_dir:
+            raise ValueError("replay snapshot_every_s > 0 needs a snapshot_dir")
 
     @property
     def limiter(self) -> RateLimiter:
@@ -101,6 +114,21 @@ class ReplayShard:
         self.versions: dict[int, int] = {}  # actor -> weight version of its last chunk
         self.blocked_s = 0.0
         self._stat_lock = threading.Lock()
+        # A restart (Ray re-runs __init__ in a new process after max_restarts allows it) comes
+        # back from the last snapshot or empty, as configured; a resume loads it on purpose.
+        self.restarted = _was_restarted()
+        if self.restarted:
+            _remove_dead_arenas(f"shard{shard_id}")  # the dead incarnation's /dev/shm files
+        self.restored_size = 0
+        self.snapshots = 0
+        self.snapshot_s = 0.0
+        self.last_snapshot_t = 0.0
+        want = cfg.on_restart == "snapshot" if self.restarted else cfg.load_snapshot
+        if want and cfg.snapshot_dir and os.path.exists(self.snapshot_path()):
+            self.restore(self.snapshot_path())
+        self._closed = threading.Event()
+        if cfg.snapshot_every_s > 0:
+            threading.Thread(target=self._snapshot_loop, name=f"replay{shard_id}-snapshot", daemon=True).start()
 
     # -- identity ------------------------------------------------------------------------
     def node_id(self) -> str:
@@ -178,7 +206,9 @@ class ReplayShard:
                     "inserted": self.replay.writes, "sampled": self.replay.sampled, "env_steps": self.env_steps,
                     "inserted_by_actor": dict(self.inserted_by_actor), "actor_versions": dict(self.versions),
                     "insert_blocked_s": self.blocked_s, "uptime_s": time.time() - self.t0, "pid": os.getpid(),
-                    "node_id": self.node_id(), "device": str(self.replay.device)}
+                    "node_id": self.node_id(), "device": str(self.replay.device), "restarted": self.restarted,
+                    "restored_size": self.restored_size, "snapshots": self.snapshots,
+                    "snapshot_s": self.snapshot_s}
 
     def state_dict(self) -> dict:
         return self.replay.state_dict()
@@ -186,7 +216,51 @@ class ReplayShard:
     def load_state_dict(self, state: dict) -> None:
         self.replay.load_state_dict(state)
 
+    def snapshot_path(self) -> str:
+        if not self.cfg.snapshot_dir:
+            raise ReplayError(f"replay shard {self.shard_id} has no snapshot_dir configured")
+        return os.path.join(self.cfg.snapshot_dir, f"replay_shard{self.shard_id}.pt")
+
+    def snapshot(self) -> dict:
+        """Write the replay (storage, priorities, counters) to snapshot_path() atomically: a
+        crash mid-write leaves the previous snapshot. Returns {path, size, seconds}."""
+        t0 = time.perf_counter()
+        path = self.snapshot_path()
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        state = self.replay.state_dict()  # a consistent copy, taken under the replay's lock
+        tmp = f"{path}.{os.getpid()}.tmp"
+        torch.save({"shard": self.shard_id, "time": time.time(), "replay": state}, tmp)
+        os.replace(tmp, path)
+        dt = time.perf_counter() - t0
+        with self._stat_lock:
+            self.snapshots += 1
+            self.snapshot_s += dt
+            self.last_snapshot_t = time.time()
+        return {"path": path, "size": int(state["size"]), "seconds": dt}
+
+    def restore(self, path: str) -> int:
+        """Load a snapshot written by `snapshot()` (same capacity, fields and alpha; refused
+        with the reason otherwise). Returns the restored size."""
+        try:
+            got = torch.load(path, map_location="cpu", weights_only=True)
+            state = got["replay"]
+        except Exception as e:
+            raise ReplayError(f"replay shard {self.shard_id}: snapshot {path!r} is unreadable: "
+                              f"{type(e).__name__}: {e}") from None
+        self.replay.load_state_dict(state)
+        self.restored_size = self.replay.size
+        return self.restored_size
+
+    def _snapshot_loop(self) -> None:
+        while not self._closed.wait(self.cfg.snapshot_every_s):
+            try:
+                self.snapshot()
+            except Exception as e:  # a full disk must not kill the shard; stats show no new snapshots
+                print(f"replay shard {self.shard_id}: snapshot failed: {type(e).__name__}: {e}")
+
     def close(self) -> None:
+        if getattr(self, "_closed", None) is not None:
+            self._closed.set()
         if self.arena is not None:
             self.arena.unlink()
 
@@ -194,6 +268,40 @@ class ReplayShard:
         try:
             self.close()
         except Exception:
+            pass
+
+
+def _was_restarted() -> bool:
+    """True in a Ray actor that Ray has restarted after its process died."""
+    try:
+        import ray
+        return bool(ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed)
+    except Exception:
+        return False
+
+
+def _remove_dead_arenas(tag: str) -> None:
+    """Unlink shared replay files of this tag whose owner process is gone (a killed shard
+    never ran close(); learners that still map them keep their pages until they let go)."""
+    import glob
+    from replay_server.shared import shm_dir
+    for p in glob.glob(os.path.join(shm_dir(), f"apex_bdq_{tag}_*")):
+        try:
+            pid = int(os.path.basename(p).split("_")[3])
+        except (IndexError, ValueError):
+            continue
+        if pid == os.getpid():
+            continue
+        try:
+            os.kill(pid, 0)
+            continue  # alive: another run's shard with the same number
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        try:
+            os.unlink(p)
+        except OSError:
             pass
 
 
