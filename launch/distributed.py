@@ -400,7 +400,8 @@ class ApexRun:
                 self._supervise()
             except RuntimeError as e:  # no rollout actor left: stop the learner, report why
                 failure = e
-                self.store.set_stop.remote(True)
+                self.store.set_stop.remote(True)  # the learner reads it too
+                th.join(timeout=120)
                 break
             try:
                 st = self.status()
@@ -431,6 +432,10 @@ class ApexRun:
             if on_progress is not None:
                 on_progress({**st, "t_s": now})
         train_s = time.perf_counter() - t0
+        try:
+            self._copy_latest_checkpoint()  # the final one
+        except OSError as e:
+            print(f"note: copying the latest checkpoint to {self.spec.checkpoint_path} failed: {e}")
         self.store.set_stop.remote(True)
         for sh in self.shards:  # no learner any more: let blocked inserts through so actors can stop
             sh.release.remote()

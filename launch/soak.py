@@ -159,6 +159,9 @@ class Soak:
         o, r = self.o, self.run
         order: list[str] = []
         budget_end = self.t0 + o.minutes * 60.0 - 20.0  # leave time to see the last recovery
+        while not self.stop.wait(0.5):  # kills start once the learner trains (replay filled, a snapshot taken)
+            if (self.last_status.get("learner") or {}).get("updates", 0) > 0:
+                break
         while not self.stop.is_set():
             gap = max(o.min_gap_s, self.rng.expovariate(1.0 / o.kill_every_s))
             if self.stop.wait(gap) or time.time() + gap > budget_end:

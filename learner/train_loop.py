@@ -395,11 +395,24 @@ def train_loop_per_worker(config: dict) -> None:
         if ck is not None:  # Ray Train has copied it into the run's storage
             shutil.rmtree(ck.path, ignore_errors=True)
 
+    # The driver can stop the group early (a run aborted because its actors died): rank 0
+    # reads the weight store's stop flag about once a second, without waiting on it.
+    stop_probe, aborted, next_probe = None, False, time.time() + 1.0
     publish()
     try:
         held = None
         while True:
-            over = (time.time() >= deadline) or (max_updates is not None and updates - base_updates >= max_updates) \
+            if store is not None and rank == 0 and not aborted:
+                if stop_probe is None and time.time() >= next_probe:
+                    stop_probe, next_probe = store.should_stop.remote(), time.time() + 1.0
+                if stop_probe is not None and ray.wait([stop_probe], timeout=0)[0]:
+                    try:
+                        aborted = bool(ray.get(stop_probe))
+                    except ray.exceptions.RayActorError:
+                        pass
+                    stop_probe = None
+            over = aborted or (time.time() >= deadline) or \
+                (max_updates is not None and updates - base_updates >= max_updates) \
                 or (fixed is not None and step_i >= len(fixed))
             if fixed is not None:
                 if not over:
