@@ -218,7 +218,6 @@ class ApexRun:
         self.storage, self.run_name = storage, f"apex_bdq_{int(time.time())}"
         config = {"cfg": config_to_dict(self.cfg), "backend": s.backend, "shards": self.shards, "specs": self.specs,
                   "shard_cfg": self.shard_cfg, "store": self.store, "minutes": minutes, "max_updates": max_updates,
-                  "deadline": time.time() + minutes * 60.0,
                   "publish_every": s.publish_every, "checkpoint_every_s": s.checkpoint_every_s, "use_gpu": s.use_gpu,
                   "resume": self.resume, "torch_threads": max(1, int(s.learner_cpus)),
                   "preference": self.pref}

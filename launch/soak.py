@@ -183,6 +183,7 @@ class Soak:
                 before["accepted"] = set(self.accepted)
             if target == "learner":
                 before["start_id"] = ray.get(r.store.status.remote())["learner"].get("start_id")
+            upd0 = ray.get(r.store.status.remote(), timeout=10)["learner"].get("updates", 0)
             t_kill = time.time()
             if target == "rollout":
                 ray.kill(r.actors[index], no_restart=False)
@@ -199,6 +200,9 @@ class Soak:
                     k.update(recovered=True, recovery_s=time.time() - t_kill)
                     if "restored_size" in before:
                         k["restored_size"] = before["restored_size"]
+                    if target != "learner":  # did the learner go on meanwhile?
+                        lr = ray.get(r.store.status.remote(), timeout=10)["learner"]
+                        k["learner_updates_during"] = int(lr.get("updates", 0)) - int(upd0)
                     break
                 time.sleep(0.5)
             print(f"[soak {time.time() - self.t0:6.0f} s] killed {target} {index} (pid {pid}): "

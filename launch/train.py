@@ -168,10 +168,12 @@ class LocalTrainer:
             bar = tqdm(total=int(budget), unit="s", file=sys.stderr, dynamic_ncols=True,
                        bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} s {postfix}")
         last_t, last_steps, last_upd, shown = t0, self.rollout.env_steps, self.learner.updates, 0
+        steps0 = self.rollout.env_steps
         eval_r = float("nan")
         while True:
             now = time.perf_counter() - t0
-            if now >= budget or (cfg.max_env_ticks is not None and self.rollout.env_steps >= cfg.max_env_ticks * cfg.sim.num_shards):
+            if now >= budget or (cfg.max_env_ticks is not None and  # both budgets are per invocation (a resume)
+                                 self.rollout.env_steps - steps0 >= cfg.max_env_ticks * cfg.sim.num_shards):
                 break
             self.train_tick()
             if now >= next_eval:
@@ -366,7 +368,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="rate limiter: transitions sampled per transition inserted (default: off, Ape-X style)")
     g.add_argument("--error-buffer", type=float,
                    help="rate limiter slack in sampled transitions (default: 4096 x samples-per-insert)")
-    g.add_argument("--max-restarts", type=int, default=0,
+    g.add_argument("--max-restarts", type=int, default=3,
                    help="restarts of each rollout actor, replay shard and the weight store, and learner-group "
                         "failures Ray Train recovers from its last checkpoint (-1: no limit)")
     g.add_argument("--replay-snapshot-dir", help="replay shards snapshot their memory here; a --resume run loads "

@@ -325,8 +325,14 @@ def train_loop_per_worker(config: dict) -> None:
     pref_actor = config.get("preference")
     use_pref = pref_actor is not None and cfg.pref.beta > 0
     pref_batch, pref_next = None, None
-    # An absolute deadline, so a restarted group stops when the first one would have.
-    deadline = float(config.get("deadline") or (time.time() + float(config.get("minutes", cfg.minutes)) * 60.0))
+    # The time budget runs from the first group's start; a restarted group stops when the
+    # first one would have (the weight store keeps the deadline).
+    deadline = time.time() + float(config.get("minutes", cfg.minutes)) * 60.0
+    if store is not None:
+        try:
+            deadline = float(ray.get(store.deadline.remote(deadline), timeout=60))
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            pass
     max_updates = config.get("max_updates")
     publish_every = int(config.get("publish_every", 50))
     report_every = max(1, publish_every // 5)

@@ -26,6 +26,7 @@ class WeightStore:
         self.learner: dict = {}
         self.published_at = 0.0
         self.learner_restarts = 0
+        self._deadline = None
         self.updates_lost = 0
         self.max_updates_seen = 0
         self._starts: set = set()
@@ -52,6 +53,13 @@ class WeightStore:
     def meta(self) -> dict:
         """What a reader needs besides the weights: the run's network config ("net")."""
         return dict(self._meta)
+
+    def deadline(self, proposed: float) -> float:
+        """The learner group's end time: the first group to ask sets it, a restarted one gets
+        the same (so a restart does not extend the run)."""
+        if self._deadline is None:
+            self._deadline = float(proposed)
+        return self._deadline
 
     def get_version(self) -> int:
         return self.version

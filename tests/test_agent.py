@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from actors.rollout import RolloutWorker
-from apex_bdq.checkpoint import CheckpointError, load_policy
+from apex_bdq.checkpoint import CheckpointError, load_checkpoint, load_policy
 from apex_bdq.config import AgentConfig, ConfigError, NetConfig, SimConfig, TrainConfig
 from apex_bdq.nstep import NStepAccumulator
 from launch import evaluate, train
@@ -136,3 +136,21 @@ def test_train_config_checks():
         AgentConfig(batch_size=32, learning_starts=10)
     with pytest.raises(ConfigError, match="num_branches=5 does not match"):
         TrainConfig(net=NetConfig(num_branches=5))
+
+
+def test_resume_auto_continues_the_checkpoint_with_its_own_config(tmp_path, capsys):
+    ck, out = tmp_path / "ck.pt", tmp_path / "res.json"
+    args = ["--local", "--resume", "auto", "--checkpoint", str(ck), "--quiet", "--json", str(out)]
+    assert train.main(args + ["--preset", "smoke", "--set", "agent.target_update=77"]) == 0
+    assert "no checkpoint yet, starting fresh" in capsys.readouterr().out
+    first = load_checkpoint(ck)
+    # The resubmitted command (no preset): the checkpoint's own config, counters carried on.
+    assert train.main(args) == 0
+    assert f"continuing from {ck}" in capsys.readouterr().out
+    second = load_checkpoint(ck)
+    assert second["config"]["agent"]["target_update"] == 77
+    assert second["learner"]["updates"] > first["learner"]["updates"]
+    assert second["counters"]["env_steps"] > first["counters"]["env_steps"]
+    assert len(second["counters"]["history"]) > len(first["counters"]["history"])
+    assert train.main(["--local", "--resume", str(tmp_path / "none.pt"), "--quiet"]) == 2
+    assert "does not exist" in capsys.readouterr().err

@@ -148,3 +148,35 @@ def test_cluster_yaml_with_a_broken_key_fails_validation(breakage):
         cfg["max_workers"] = "many"
     with pytest.raises((jsonschema.ValidationError, ValueError)):
         _validate(cfg)
+
+
+def test_replay_shard_snapshot_round_trips_and_refuses_what_does_not_fit(tmp_path):
+    fields = transition_fields(SMOKE.net)
+    cfg = ShardConfig(capacity=64, fields=fields, shared=False, snapshot_dir=str(tmp_path), seed=5)
+    shard = ReplayShard(0, cfg)
+    rng = np.random.default_rng(0)
+    shard.add(_batch(40, SMOKE.net, reward=rng.normal(size=40).astype(np.float32)))
+    shard.update_priorities(np.arange(8), np.arange(8), np.linspace(0.1, 5.0, 8).astype(np.float32))
+    got = shard.snapshot()
+    assert got["size"] == 40 and (tmp_path / "replay_shard0.pt").exists()
+    # A fresh shard told to load it (a resume) has the same memory, priorities and sampler.
+    back = ReplayShard(0, dataclasses.replace(cfg, load_snapshot=True))
+    assert back.stats()["restored_size"] == 40 and back.stats()["inserted"] == 40
+    torch.testing.assert_close(back.replay.storage["reward"][:40], shard.replay.storage["reward"][:40])
+    torch.testing.assert_close(back.replay.tree.leaves, shard.replay.tree.leaves)
+    a, b = shard.sample(16), back.sample(16)
+    np.testing.assert_array_equal(a["indices"], b["indices"])
+    # Without load_snapshot a fresh shard starts empty.
+    assert ReplayShard(0, cfg).stats()["size"] == 0
+    # Another capacity, a corrupt file: refused with the reason, nothing loaded.
+    with pytest.raises(ReplayError, match="capacity 64"):
+        ReplayShard(0, dataclasses.replace(cfg, capacity=32, load_snapshot=True))
+    (tmp_path / "replay_shard0.pt").write_bytes(b"torn")
+    with pytest.raises(ReplayError, match="unreadable"):
+        ReplayShard(0, dataclasses.replace(cfg, load_snapshot=True))
+    with pytest.raises(ValueError, match="needs a snapshot_dir"):
+        ShardConfig(capacity=8, snapshot_every_s=5.0)
+    with pytest.raises(ValueError, match="on_restart"):
+        ShardConfig(capacity=8, on_restart="sometimes")
+    with pytest.raises(ReplayError, match="no snapshot_dir"):
+        ReplayShard(1, ShardConfig(capacity=8, fields=fields, shared=False)).snapshot()

@@ -37,6 +37,7 @@ def test_short_soak_recovers_every_kill_and_loses_no_feedback(ray_local, tmp_pat
     # The replay shard came back from its snapshot, not empty.
     (rep,) = [k for k in res["kill_log"] if k["target"] == "replay"]
     assert rep["restored_size"] > 0
+    assert rep["learner_updates_during"] > 0  # it trained from the other shard meanwhile
     assert 0 <= res["max_rss_growth_mb"] < 150, res["peak_rss_mb"]
     from apex_bdq.preference import load_log
     _, _, pairs = load_log(str(tmp_path / "feedback.log"))
