@@ -321,6 +321,9 @@ class Soak:
                 "env_steps": st.get("env_steps", 0),
                 "transitions_lost": sum(a.get("transitions_lost", 0) for a in actors),
                 "replay_at_capacity_s": self.capacity_t, "peak_rss_mb": {k: round(v, 1) for k, v in peaks.items()},
+                "rss_mb": [{"role": role, "pid": pid,  # memory per process over time, <= 60 points each
+                            "samples": [[round(t, 1), round(v, 1)] for t, v in series[::max(1, len(series) // 60)]]}
+                           for (role, pid), series in self.rss.items()],
                 "minutes": self.o.minutes, "kill_log": self.kills}
 
 

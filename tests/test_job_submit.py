@@ -60,18 +60,14 @@ def ray_head(tmp_path):
             p.unlink(missing_ok=True)
 
 
-def test_job_submit_runs_the_smoke_preset_and_exports_metrics(ray_head, tmp_path):
+def _submit_and_wait(ray_head, entry: str, seen: dict):
     from ray.job_submission import JobStatus, JobSubmissionClient
-    out_json, ck = tmp_path / "train.json", tmp_path / "ck.pt"
-    entry = (f"{sys.executable} -m launch.train --address auto --preset smoke --minutes 0.4 --num-actors 2 "
-             f"--quiet --json {out_json} --checkpoint {ck} --storage-path {tmp_path / 'ray_train'}")
     sub = subprocess.run([RAY, "job", "submit", "--address", ray_head["dashboard"], "--working-dir", str(ROOT),
                           "--no-wait", "--", *entry.split()], env=ray_head["env"], capture_output=True, text=True,
                          timeout=180)
     assert sub.returncode == 0, sub.stdout + sub.stderr
     job_id = re.search(r"raysubmit_\w+", sub.stdout + sub.stderr).group(0)
     client = JobSubmissionClient(ray_head["dashboard"])
-    seen: dict = {}
     deadline = time.time() + 400
     while time.time() < deadline:
         status = client.get_job_status(job_id)
@@ -85,6 +81,17 @@ def test_job_submit_runs_the_smoke_preset_and_exports_metrics(ray_head, tmp_path
         time.sleep(1.0)
     logs = client.get_job_logs(job_id)
     assert status == JobStatus.SUCCEEDED, logs[-3000:]
+    return logs
+
+
+def test_job_submit_runs_the_smoke_preset_and_exports_metrics(ray_head, tmp_path):
+    from apex_bdq.checkpoint import load_checkpoint
+    out_json, ck = tmp_path / "train.json", tmp_path / "ck.pt"
+    entry = (f"{sys.executable} -m launch.train --address auto --preset smoke --minutes 0.4 --num-actors 2 "
+             f"--quiet --json {out_json} --checkpoint {ck} --storage-path {tmp_path / 'ray_train'} --resume auto")
+    seen: dict = {}
+    logs = _submit_and_wait(ray_head, entry, seen)
+    assert "no checkpoint yet, starting fresh" in logs
     res = json.loads(out_json.read_text())
     assert res["updates"] > 0 and res["env_steps"] > 0 and res["data_route"] == "shared-memory"
     for key in ("eval_reward", "hpa_eval_reward", "slo_violation_rate", "hpa_slo_violation_rate"):
@@ -92,4 +99,10 @@ def test_job_submit_runs_the_smoke_preset_and_exports_metrics(ray_head, tmp_path
     assert ck.exists() and ck.stat().st_size > 0
     missing = [m for m in M.ALL if seen.get(m, 0.0) <= 0]
     assert not missing, f"metrics missing or zero on the Prometheus endpoint: {missing}; seen {sorted(seen)}"
-
+    # Resubmitting the same command continues from the checkpoint the first job left.
+    first = load_checkpoint(ck)
+    logs = _submit_and_wait(ray_head, entry, {})
+    assert f"continuing from {ck}" in logs
+    second = load_checkpoint(ck)
+    assert second["learner"]["updates"] > first["learner"]["updates"] == res["updates"]
+    assert second["counters"]["env_steps"] > first["counters"]["env_steps"]
