@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run run-local baselines serve test bench setup clean
+.PHONY: run run-local baselines serve soak test bench setup clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -25,6 +25,9 @@ baselines: $(STAMP)
 
 serve: $(STAMP)
 	$(BIN)/python -m launch.serve --checkpoint runs/train/checkpoint.pt
+
+soak: $(STAMP)
+	$(BIN)/python -m launch.soak --minutes 10 --json runs/soak.json
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
