@@ -145,8 +145,9 @@ class RolloutWorker:
             self.recorder.end_decision(self.version)
         out = self.nstep.push(o.macro, o.micro, actions, block, nxt.macro, nxt.micro)
         if truncated:
-            tail = self.nstep.flush(nxt.macro, nxt.micro)
-            out = tail if out is None else Transitions.concat([out, tail])
+            tail = self.nstep.flush(nxt.macro, nxt.micro)  # None with n = 1: nothing is pending
+            if tail is not None:
+                out = tail if out is None else Transitions.concat([out, tail])
             self.finished_rewards.extend((self.episode_reward / self.sim.t).tolist())
             self.episode_reward[:] = 0
             nxt = self.sim.reset()

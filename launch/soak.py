@@ -40,7 +40,7 @@ class SoakOptions:
     minutes: float = 10.0
     kill_every_s: float = 30.0  # mean gap between kills (exponential, at least min_gap_s)
     min_gap_s: float = 5.0
-    max_kills: Optional[int] = None
+    max_kills: Optional[int] = None  # once this many are made and recovered from, the run ends early
     targets: tuple = TARGETS
     num_actors: int = 2
     num_replay_shards: int = 2
@@ -167,6 +167,9 @@ class Soak:
             if self.stop.wait(gap) or time.time() + gap > budget_end:
                 break
             if o.max_kills is not None and len(self.kills) >= o.max_kills:
+                # All kills made and waited for: train on a little, then end the run early.
+                if not self.stop.wait(o.min_gap_s):
+                    ray.get(r.store.set_stop.remote(True), timeout=30)
                 break
             if not order:  # every target once per round, in a random order
                 order = list(o.targets)
@@ -357,7 +360,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--json", help="write the report here")
     ap.add_argument("--kill-every", type=float, default=30.0, metavar="S", help="mean seconds between kills")
-    ap.add_argument("--max-kills", type=int)
+    ap.add_argument("--max-kills", type=int, help="end the run once this many kills were made and recovered from")
     ap.add_argument("--targets", default=",".join(TARGETS), help="comma-separated, from " + ", ".join(TARGETS))
     ap.add_argument("--num-actors", type=int, default=2)
     ap.add_argument("--num-replay-shards", type=int, default=2)

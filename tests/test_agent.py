@@ -154,3 +154,14 @@ def test_resume_auto_continues_the_checkpoint_with_its_own_config(tmp_path, caps
     assert len(second["counters"]["history"]) > len(first["counters"]["history"])
     assert train.main(["--local", "--resume", str(tmp_path / "none.pt"), "--quiet"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_one_step_returns_cross_an_episode_end():
+    """n = 1 leaves nothing pending at a time limit: the episode's last decision still yields
+    its S transitions (a crash here once killed rollout actors of n_step=1 sweeps)."""
+    sim = SimConfig(num_shards=3, episode_s=8.0)
+    agent = AgentConfig(n_step=1, decision_ticks=2, gamma=0.9, reward_scale=1.0)
+    w = RolloutWorker(sim, agent, Learner(NetConfig.for_sim(sim), agent).net, seed=0)
+    got = [w.step() for _ in range(6)]  # 4 decisions per episode: crosses one end
+    assert all(t is not None and len(t) == 3 for t in got)
+    assert len(w.finished_rewards) == 3 and w.env_steps == 12 * 3
