@@ -181,9 +181,8 @@ VARIANTS = {  # name -> ServeOptions overrides
     "batched": {},
     "unbatched": {"batching": False},
     "replicas2": {"replicas": 2},
-    "no_gc_freeze": {"gc_freeze": False},
 }
-INGRESS_VARIANTS = {"haproxy": ("batched", "unbatched", "replicas2", "no_gc_freeze"), "proxy": ("batched",)}
+INGRESS_VARIANTS = {"haproxy": ("batched", "unbatched", "replicas2"), "proxy": ("batched",)}
 
 
 def worker_main(ingress: str, checkpoint: str, n: int, out: str) -> None:
@@ -301,9 +300,6 @@ def bench_serve(n: int = 1000, ingresses: tuple = ("haproxy", "proxy"), checkpoi
     if "replicas2" in by:
         ratios["replicas2_over_1_decisions_per_s_s256"] = (
             max(by["replicas2"][k]["decisions_per_s"] for k in s256) / max(main_cells[k]["decisions_per_s"] for k in s256))
-    if "no_gc_freeze" in by:
-        ratios["no_gc_freeze_over_frozen_http_p99_s1_c1"] = (
-            by["no_gc_freeze"]["http_msgpack_s1_c1"]["p99_ms"] / c1["p99_ms"])
     ratios["json_over_msgpack_p50_s256_c1"] = main_cells["http_json_s256_c1"]["p50_ms"] / main_cells["http_msgpack_s256_c1"]["p50_ms"]
     res["ratios"] = ratios
     print("headline: " + ", ".join(f"{k} {res[k]:,.2f}" for k in

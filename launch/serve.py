@@ -62,10 +62,6 @@ class ServeOptions:
     feedback_token: Optional[str] = None
     initial_wait_s: float = 60.0
     """--follow: how long a new replica waits for the run's first weights."""
-    gc_freeze: bool = True
-    """Move everything the replica loaded (torch, FastAPI, the policy) out of the garbage
-    collector's reach once started (`gc.freeze()`), so a full collection walks only the
-    objects requests create, not the whole heap (a tail-latency spike otherwise)."""
 
     def __post_init__(self) -> None:
         if (self.checkpoint is None) == (not self.follow):
@@ -192,10 +188,6 @@ class DecisionService:
         self._pref = None
         self.served = 0
         self._inflight = 0
-        if opts.gc_freeze:
-            import gc
-            gc.collect()
-            gc.freeze()
 
     # -- deciding ------------------------------------------------------------------------------
     async def _forward(self, policy: S.Policy, macro: np.ndarray, micro: np.ndarray):
@@ -405,8 +397,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--replicas", type=int, default=1)
     ap.add_argument("--replica-cpus", type=float, default=1.0)
     ap.add_argument("--torch-threads", type=int, default=1)
-    ap.add_argument("--no-gc-freeze", action="store_true",
-                    help="leave the replica's start-up heap to the garbage collector (default: frozen, see README)")
     ap.add_argument("--reload-s", type=float, default=2.0)
     ap.add_argument("--feedback-token", default=None,
                     help="bearer token for /v1/feedback (default: $APEX_BDQ_FEEDBACK_TOKEN; none = feedback refused)")
@@ -427,7 +417,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                             max_batch_shards=a.max_batch_shards, batch_wait_s=a.batch_wait_ms / 1e3,
                             max_ongoing_requests=a.max_ongoing, replicas=a.replicas, replica_cpus=a.replica_cpus,
                             torch_threads=a.torch_threads, reload_s=a.reload_s,
-                            feedback_token=S.env_token(a.feedback_token), gc_freeze=not a.no_gc_freeze)
+                            feedback_token=S.env_token(a.feedback_token))
         if checkpoint is not None:
             S.policy_from_checkpoint(checkpoint)  # a bad file fails here, with its reason, not in a replica
     except ValueError as e:
