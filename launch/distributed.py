@@ -74,12 +74,8 @@ class ClusterSpec:
             raise ConfigError(f"shards-per-actor must be >= 1, got {self.shards_per_actor}")
         if self.max_restarts < -1:
             raise ConfigError(f"max-restarts must be >= -1 (-1: no limit), got {self.max_restarts}")
-        if self.replay_on_restart not in ("snapshot", "empty"):
-            raise ConfigError(f"replay-on-restart must be 'snapshot' or 'empty', got {self.replay_on_restart!r}")
-        if self.replay_snapshot_every_s < 0:
-            raise ConfigError(f"replay-snapshot-every must be >= 0, got {self.replay_snapshot_every_s}")
-        if self.replay_snapshot_every_s > 0 and not self.replay_snapshot_dir:
-            raise ConfigError("replay-snapshot-every needs --replay-snapshot-dir")
+        from replay_server.replay_actor import check_snapshot_settings
+        check_snapshot_settings(self.replay_on_restart, self.replay_snapshot_every_s, self.replay_snapshot_dir)
 
 
 def local_ray_init(spec: ClusterSpec, address: Optional[str] = None, **kwargs) -> None:
@@ -109,11 +105,12 @@ class ApexRun:
         self.history: list[dict] = []
         self.t_offset = 0.0
         self.env_steps_base = 0  # env steps of the runs this one resumes
+        self._last_env_steps = 0
         if resume is not None:
             c = resume.get("counters", {})
             self.history = list(c.get("history", []))
             self.t_offset = float(self.history[-1]["t_s"]) if self.history else 0.0
-            self.env_steps_base = int(c.get("env_steps", 0))
+            self.env_steps_base = self._last_env_steps = int(c.get("env_steps", 0))
         # Supervision: restarted rollout actors get their loop back; their counters carry on.
         self.recoveries = {"rollout": 0, "replay": 0, "learner": 0, "preference": 0}
         self.dead_actors: set = set()
@@ -230,28 +227,15 @@ class ApexRun:
                                                  worker_runtime_env={"env_vars": env}))
 
     # -- monitoring --------------------------------------------------------------------------
-    @staticmethod
-    def _answers(refs: list, timeout_s: float = 5.0) -> list:
-        """ray.get of each ref, None for those whose actor is dead, restarting or silent."""
-        import ray
-        live = [r for r in refs if r is not None]
-        done = set(ray.wait(live, num_returns=len(live), timeout=timeout_s)[0]) if live else set()
-        out = []
-        for r in refs:
-            try:
-                out.append(ray.get(r) if r is not None and r in done else None)
-            except ray.exceptions.RayActorError:
-                out.append(None)
-        return out
-
     def status(self) -> dict:
         """The run's figures. A component that is dead or restarting is listed under
         `unavailable` instead of failing the call; counters of restarted rollout actors carry
         on from their previous incarnation."""
-        st, pref, *rest = self._answers([self.store.status.remote(),
-                                         self.pref.stats.remote() if self.pref is not None else None] +
-                                        [sh.stats.remote() for sh in self.shards] +
-                                        [a.stats.remote() for a in self.actors])
+        from apex_bdq.ray_util import answers
+        st, pref, *rest = answers([self.store.status.remote(),
+                                   self.pref.stats.remote() if self.pref is not None else None] +
+                                  [sh.stats.remote() for sh in self.shards] + [a.stats.remote() for a in self.actors],
+                                  timeout_s=5.0)
         shards_all, actors_all = rest[:len(self.shards)], rest[len(self.shards):]
         st = st or {"version": -1, "learner": {}, "learner_restarts": 0, "updates_lost": 0, "unavailable": True}
         for j, x in enumerate(shards_all):  # a shard answering from a new process was restarted
@@ -313,7 +297,6 @@ class ApexRun:
                 ray.get(ref)
                 self.actor_runs[i] = None  # finished: the stop flag
             except ray.exceptions.RayError as e:
-                n = self.recoveries["rollout"]
                 limit = self.spec.max_restarts
                 restarts = self._restarts.get(i, 0)
                 if not isinstance(e, ray.exceptions.RayActorError) or limit == 0 or (limit > 0 and restarts >= limit):
@@ -328,7 +311,7 @@ class ApexRun:
                                            f"(--max-restarts {limit}); the learner has no more data") from e
                     continue
                 self._restarts[i] = restarts + 1
-                self.recoveries["rollout"] = n + 1
+                self.recoveries["rollout"] = sum(self._restarts.values())
                 self.actor_runs[i] = self.actors[i].run.remote()  # queued until the actor is back
 
     def _copy_latest_checkpoint(self) -> None:
@@ -354,10 +337,11 @@ class ApexRun:
                         {**ck["counters"], **self.counters()})
         self._last_copied = key
 
-    def counters(self, st: Optional[dict] = None) -> dict:
-        """What a checkpoint carries besides the learner: env steps, learning curve, feedback log."""
-        env = (st or {}).get("env_steps", getattr(self, "_last_env_steps", self.env_steps_base))
-        return {"env_steps": int(env), "history": list(self.history), "feedback_log": self.feedback_log}
+    def counters(self) -> dict:
+        """What a checkpoint carries besides the learner: env steps (as last seen), learning
+        curve, feedback log."""
+        return {"env_steps": int(self._last_env_steps), "history": list(self.history),
+                "feedback_log": self.feedback_log}
 
     def current_policy_net(self):
         import ray
@@ -431,10 +415,6 @@ class ApexRun:
             if on_progress is not None:
                 on_progress({**st, "t_s": now})
         train_s = time.perf_counter() - t0
-        try:
-            self._copy_latest_checkpoint()  # the final one
-        except OSError as e:
-            print(f"note: copying the latest checkpoint to {self.spec.checkpoint_path} failed: {e}")
         self.store.set_stop.remote(True)
         for sh in self.shards:  # no learner any more: let blocked inserts through so actors can stop
             sh.release.remote()
@@ -452,6 +432,9 @@ class ApexRun:
             raise box["error"]
         result = box["result"]
         final_status = self.status()
+        self._last_env_steps = final_status["env_steps"]
+        if self.spec.checkpoint_path and copy_checkpoint(result, self.spec.checkpoint_path) is not None:
+            annotate_checkpoint(Path(self.spec.checkpoint_path), self.counters())  # the final one
         out = {"train_seconds": train_s, "result": result, "actor_stats": actor_stats, "status": final_status}
         return out
 

@@ -21,7 +21,6 @@ default proxy (`--ingress proxy`).
 # route registration, through Serve's ingress wrapper, and string annotations do not resolve there.
 import argparse
 import asyncio
-import dataclasses
 import os
 import sys
 import time

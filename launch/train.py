@@ -253,7 +253,7 @@ def _print_final(res: dict, checkpoint: Optional[str]) -> None:
 
 def run_distributed(cfg: TrainConfig, a, spec) -> dict:
     """The Ape-X run on Ray (launch/distributed.py) with progress and the final evaluation."""
-    from launch.distributed import ApexRun, annotate_checkpoint, copy_checkpoint, local_ray_init
+    from launch.distributed import ApexRun, annotate_checkpoint, local_ray_init
     resume = load_checkpoint(a.resume) if a.resume else None
     if resume is not None:
         saved = train_config_from_dict(resume["config"])
@@ -302,9 +302,9 @@ def run_distributed(cfg: TrainConfig, a, spec) -> dict:
                               "hpa_eval_reward": final["hpa_eval_reward"],
                               "slo_violation_rate": final["slo_violation_rate"],
                               "hpa_slo_violation_rate": final["hpa_slo_violation_rate"]}]
-    ck = copy_checkpoint(out["result"], a.checkpoint) if a.checkpoint else None
-    if ck is not None:
-        annotate_checkpoint(ck, {"env_steps": st["env_steps"], "history": history, "feedback_log": run.feedback_log})
+    ck = Path(a.checkpoint) if a.checkpoint and Path(a.checkpoint).is_file() else None  # copied by the run
+    if ck is not None:  # with the final evaluation in its learning curve
+        annotate_checkpoint(ck, {**run.counters(), "history": history})
     train_s = out["train_seconds"]
     return {**{k: final[k] for k in ("eval_reward", "hpa_eval_reward", "slo_violation_rate", "hpa_slo_violation_rate")},
             "learned": final["learned"], "hpa": final["hpa"], "train_seconds": train_s,

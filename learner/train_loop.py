@@ -32,6 +32,7 @@ import torch
 from apex_bdq.checkpoint import config_to_dict, save_checkpoint
 from apex_bdq.config import train_config_from_dict
 from apex_bdq.networks import BDQNetwork
+from apex_bdq.ray_util import answers
 from learner.learner import batch_td_loss
 from replay_server.rate_limiter import RateLimiter
 from replay_server.replay import PrioritizedReplay
@@ -214,22 +215,6 @@ class Prefetcher:
         self.t.join(timeout=5)
 
 
-def current_specs(shards: list, specs: list, timeout_s: float = 30.0) -> list:
-    """The shards' shared-memory handles as of now: a shard restarted since the run began
-    (a learner group restarted by Ray Train starts here) has new memory; one that does not
-    answer is None (attached when it does)."""
-    import ray
-    refs = [sh.shared_spec.remote() for sh in shards]
-    ready = set(ray.wait(refs, num_returns=len(refs), timeout=timeout_s)[0])
-    out = []
-    for ref, old in zip(refs, specs):
-        try:
-            out.append(ray.get(ref) if ref in ready else None)
-        except ray.exceptions.RayActorError:
-            out.append(None)
-    return out
-
-
 def make_source(shards: list, specs: list, node_id: str, rank: int, world: int, shard_cfg, seed: int):
     """This worker's data route: the shards on its node (split between the node's workers by
     rank), attached in place; or every shard by RPC when none shares its node. `specs` are
@@ -237,7 +222,9 @@ def make_source(shards: list, specs: list, node_id: str, rank: int, world: int, 
     local = [i for i, s in enumerate(specs) if s is not None and s.node_id == node_id]
     if local:
         mine = local[rank::world] if len(local) >= world else [local[rank % len(local)]]
-        now = current_specs([shards[i] for i in mine], [specs[i] for i in mine]) if shards is not None else \
+        # The memory as of now: a shard restarted since the run began (a learner group
+        # restarted by Ray Train starts here) has new memory; a silent one is attached later.
+        now = answers([shards[i].shared_spec.remote() for i in mine], 30.0) if shards is not None else \
             [specs[i] for i in mine]
         return LocalShardSource(now, shard_cfg.capacity, shard_cfg.fields, shard_cfg.limiter,
                                 shard_cfg.alpha, shard_cfg.beta0, shard_cfg.beta_steps, seed + 101 * rank,

@@ -76,8 +76,7 @@ class WeightStore:
         lost (those past the checkpoint it came back from)."""
         m = dict(metrics)
         sid = m.get("start_id")
-        if sid is not None and sid != self.learner.get("start_id") and m.get("restored_from_updates") is not None \
-                and sid not in self._starts:
+        if sid is not None and sid not in self._starts and m.get("restored_from_updates") is not None:
             self.learner_restarts += 1
             self.updates_lost += max(0, self.max_updates_seen - int(m["restored_from_updates"]))
         if sid is not None:

@@ -64,6 +64,19 @@ def transition_fields(net_cfg) -> dict:
             "next_micro": FieldSpec(micro, torch.float32)}
 
 
+def check_snapshot_settings(on_restart: str, every_s: float, directory: Optional[str]) -> None:
+    """The replay durability settings (ShardConfig, and launch.train's flags before any
+    cluster starts); a ConfigError names the flag."""
+    from apex_bdq.config import ConfigError
+    if on_restart not in ("snapshot", "empty"):
+        raise ConfigError(f"replay on-restart (--replay-on-restart) must be 'snapshot' or 'empty', got {on_restart!r}")
+    if every_s < 0:
+        raise ConfigError(f"replay snapshot interval (--replay-snapshot-every) must be >= 0, got {every_s}")
+    if every_s > 0 and not directory:
+        raise ConfigError("replay snapshots every few seconds (--replay-snapshot-every) need a snapshot "
+                          "directory (--replay-snapshot-dir)")
+
+
 @dataclass
 class ShardConfig:
     capacity: int
@@ -85,12 +98,7 @@ class ShardConfig:
     load_snapshot: bool = False  # a fresh (not restarted) shard starts from its snapshot (a resume)
 
     def __post_init__(self) -> None:
-        if self.on_restart not in ("snapshot", "empty"):
-            raise ValueError(f"replay on_restart must be 'snapshot' or 'empty', got {self.on_restart!r}")
-        if self.snapshot_every_s < 0:
-            raise ValueError(f"replay snapshot_every_s must be >= 0, got {self.snapshot_every_s}")
-        if self.snapshot_every_s > 0 and not self.snapshot_dir:
-            raise ValueError("replay snapshot_every_s > 0 needs a snapshot_dir")
+        check_snapshot_settings(self.on_restart, self.snapshot_every_s, self.snapshot_dir)
 
     @property
     def limiter(self) -> RateLimiter:

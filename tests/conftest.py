@@ -1,3 +1,4 @@
+import os
 from pathlib import Path
 
 import numpy as np
@@ -25,3 +26,15 @@ def step_trace(tmp_path):
 
 def random_actions(rng: np.random.Generator, S: int, D: int, n: int) -> np.ndarray:
     return rng.integers(0, n, size=(S, D))
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """A local Ray cluster for one test module (8 logical CPUs, the placement resources of
+    cluster.yaml). One per module: see the README's notes on ray.shutdown() in tests."""
+    import ray
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    ray.init(address="local", num_cpus=8, resources={"rollout": 8, "learner": 8}, include_dashboard=False,
+             log_to_driver=False)
+    yield ray
+    ray.shutdown()

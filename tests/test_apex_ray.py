@@ -2,7 +2,6 @@
 group equals one learner, back-pressure, placement across two nodes."""
 
 import dataclasses
-import os
 import time
 
 import numpy as np
@@ -14,16 +13,6 @@ from launch import train
 from launch.distributed import ApexRun, ClusterSpec, copy_checkpoint
 
 SMOKE = train.PRESETS["smoke"]
-
-
-@pytest.fixture(scope="module")
-def ray_local(tmp_path_factory):
-    import ray
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    ray.init(address="local", num_cpus=8, resources={"rollout": 8, "learner": 8}, include_dashboard=False,
-             log_to_driver=False)
-    yield ray
-    ray.shutdown()
 
 
 def _run(spec: ClusterSpec, tmp_path, minutes: float = 3.0, max_updates=40, cfg=SMOKE) -> dict:

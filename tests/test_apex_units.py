@@ -174,9 +174,9 @@ def test_replay_shard_snapshot_round_trips_and_refuses_what_does_not_fit(tmp_pat
     (tmp_path / "replay_shard0.pt").write_bytes(b"torn")
     with pytest.raises(ReplayError, match="unreadable"):
         ReplayShard(0, dataclasses.replace(cfg, load_snapshot=True))
-    with pytest.raises(ValueError, match="needs a snapshot_dir"):
+    with pytest.raises(ValueError, match="need a snapshot directory"):
         ShardConfig(capacity=8, snapshot_every_s=5.0)
-    with pytest.raises(ValueError, match="on_restart"):
+    with pytest.raises(ValueError, match="on-restart"):
         ShardConfig(capacity=8, on_restart="sometimes")
     with pytest.raises(ReplayError, match="no snapshot_dir"):
         ReplayShard(1, ShardConfig(capacity=8, fields=fields, shared=False)).snapshot()

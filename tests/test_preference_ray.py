@@ -7,22 +7,11 @@ import os
 import time
 
 import numpy as np
-import pytest
 
 from launch import train
 from launch.distributed import ApexRun, ClusterSpec
 
 SMOKE = train.PRESETS["smoke"]
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    import ray
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    ray.init(address="local", num_cpus=8, resources={"rollout": 8, "learner": 8}, include_dashboard=False,
-             log_to_driver=False)
-    yield ray
-    ray.shutdown()
 
 
 def _run(spec: ClusterSpec, tmp_path, cfg, minutes: float = 3.0, max_updates=60) -> dict:

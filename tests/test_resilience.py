@@ -6,23 +6,11 @@ feedback, and a clear failure when rollout actors die without restarts."""
 import dataclasses
 import os
 
-import numpy as np
-import pytest
 import torch
 
 from apex_bdq.checkpoint import load_checkpoint
 from launch import train
 from launch.distributed import ApexRun, ClusterSpec
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    import ray
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    ray.init(address="local", num_cpus=8, resources={"rollout": 8, "learner": 8}, include_dashboard=False,
-             log_to_driver=False)
-    yield ray
-    ray.shutdown()
 
 
 def test_short_soak_recovers_every_kill_and_loses_no_feedback(ray_local, tmp_path):
