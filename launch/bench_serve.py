@@ -181,8 +181,9 @@ VARIANTS = {  # name -> ServeOptions overrides
     "batched": {},
     "unbatched": {"batching": False},
     "replicas2": {"replicas": 2},
+    "userthread": {"user_code_thread": True},  # Serve's default: the handler on a second loop
 }
-INGRESS_VARIANTS = {"haproxy": ("batched", "unbatched", "replicas2"), "proxy": ("batched",)}
+INGRESS_VARIANTS = {"haproxy": ("batched", "unbatched", "replicas2", "userthread"), "proxy": ("batched",)}
 
 
 def worker_main(ingress: str, checkpoint: str, n: int, out: str) -> None:
@@ -300,6 +301,12 @@ def bench_serve(n: int = 1000, ingresses: tuple = ("haproxy", "proxy"), checkpoi
     if "replicas2" in by:
         ratios["replicas2_over_1_decisions_per_s_s256"] = (
             max(by["replicas2"][k]["decisions_per_s"] for k in s256) / max(main_cells[k]["decisions_per_s"] for k in s256))
+    if "userthread" in by:  # what running the handler on the replica's main loop bought
+        ut = by["userthread"]
+        ratios["user_thread_over_main_loop_http_p50_s1_c1"] = ut["http_msgpack_s1_c1"]["p50_ms"] / c1["p50_ms"]
+        ratios["user_thread_over_main_loop_http_p99_s1_c1"] = ut["http_msgpack_s1_c1"]["p99_ms"] / c1["p99_ms"]
+        ratios["main_loop_over_user_thread_decisions_per_s_s256"] = (
+            max(main_cells[k]["decisions_per_s"] for k in s256) / max(ut[k]["decisions_per_s"] for k in s256))
     ratios["json_over_msgpack_p50_s256_c1"] = main_cells["http_json_s256_c1"]["p50_ms"] / main_cells["http_msgpack_s256_c1"]["p50_ms"]
     res["ratios"] = ratios
     print("headline: " + ", ".join(f"{k} {res[k]:,.2f}" for k in

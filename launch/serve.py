@@ -61,6 +61,11 @@ class ServeOptions:
     feedback_token: Optional[str] = None
     initial_wait_s: float = 60.0
     """--follow: how long a new replica waits for the run's first weights."""
+    user_code_thread: bool = False
+    """Run the handler on its own event loop in a second thread, Serve's default
+    (`RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=1`). Off here: every request then skips a
+    hand-over between the replica's two loops; the handler never blocks its loop (large
+    forwards run in a worker thread), which is what that default protects against."""
 
     def __post_init__(self) -> None:
         if (self.checkpoint is None) == (not self.follow):
@@ -330,12 +335,15 @@ class DecisionService:
 
     @app.get("/healthz", summary="Liveness, policy version and source")
     async def healthz(self) -> dict:
+        from ray.serve._private import constants as serve_constants
         p = self.holder.policy
         return {"status": "ok", "version": p.version, "source": p.source, "loaded_at": p.loaded_at,
                 "swaps": self.holder.swaps, "last_reload_error": self.holder.last_error,
                 "batching": {"enabled": self.opts.batching, "max_batch_shards": self.opts.max_batch_shards,
                              "batch_wait_s": self.opts.batch_wait_s},
                 "branches": list(self.branches), "shards_served": self.served,
+                # as Serve read its environment when this replica started
+                "user_code_thread": bool(serve_constants.RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD),
                 "net": {f: getattr(p.net.cfg, f) for f in p.net.cfg.SHAPE_FIELDS}}
 
     def __del__(self) -> None:
@@ -350,7 +358,9 @@ class DecisionService:
 def build_app(opts: ServeOptions):
     return serve.deployment(name=DEPLOYMENT_NAME, num_replicas=opts.replicas,
                             max_ongoing_requests=opts.max_ongoing_requests,
-                            ray_actor_options={"num_cpus": opts.replica_cpus})(DecisionService).bind(opts)
+                            ray_actor_options={"num_cpus": opts.replica_cpus, "runtime_env": {"env_vars": {
+                                "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1" if opts.user_code_thread else "0"}}},
+                            )(DecisionService).bind(opts)
 
 
 def ensure_preference_actor(net_cfg, log_path: str):
@@ -397,6 +407,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--replica-cpus", type=float, default=1.0)
     ap.add_argument("--torch-threads", type=int, default=1)
     ap.add_argument("--reload-s", type=float, default=2.0)
+    ap.add_argument("--user-code-thread", action="store_true",
+                    help="run the handler on a second event loop in its own thread (Serve's default; off here)")
     ap.add_argument("--feedback-token", default=None,
                     help="bearer token for /v1/feedback (default: $APEX_BDQ_FEEDBACK_TOKEN; none = feedback refused)")
     ap.add_argument("--feedback-log", default=None,
@@ -416,7 +428,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                             max_batch_shards=a.max_batch_shards, batch_wait_s=a.batch_wait_ms / 1e3,
                             max_ongoing_requests=a.max_ongoing, replicas=a.replicas, replica_cpus=a.replica_cpus,
                             torch_threads=a.torch_threads, reload_s=a.reload_s,
-                            feedback_token=S.env_token(a.feedback_token))
+                            feedback_token=S.env_token(a.feedback_token), user_code_thread=a.user_code_thread)
         if checkpoint is not None:
             S.policy_from_checkpoint(checkpoint)  # a bad file fails here, with its reason, not in a replica
     except ValueError as e:

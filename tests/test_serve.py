@@ -120,6 +120,7 @@ def test_decide_over_json_and_msgpack_matches_the_checkpoint(server):
         assert c.decide(macro, micro, include_q=False).q is None
         h = c.healthz()
         assert h["version"] == 7 and h["batching"]["enabled"] and h["net"]["macro_features"] == NET.macro_features
+        assert h["user_code_thread"] is False  # the deployment's runtime env reached the replica
         status, hdr, raw = c.request("GET", "/openapi.json")
         spec = json.loads(raw)
         assert status == 200 and {"/v1/decide", "/v1/feedback", "/healthz"} <= set(spec["paths"])
