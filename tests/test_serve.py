@@ -311,6 +311,23 @@ def test_handle_path_follows_a_weight_store(tmp_path):
             time.sleep(0.3)
         assert r["version"] == 1
         np.testing.assert_allclose(r["q"], q_of(net3, macro, micro), rtol=1e-5, atol=1e-5)
+        # redeployed without a feedback token: every feedback call is refused, whatever it sends
+        start(ServeOptions(follow=True, replica_cpus=0.5, reload_s=0.3), port=port)
+        with DecisionClient(f"http://127.0.0.1:{port}", token="t") as c:
+            deadline = time.time() + 30
+            while True:
+                try:
+                    with pytest.raises(ServiceError) as e:
+                        c.feedback([("a", "b", 1.0)])
+                    if e.value.status == 503 and time.time() < deadline:  # the old replica still answers
+                        time.sleep(0.3)
+                        continue
+                    break
+                except (OSError, http.client.HTTPException):
+                    if time.time() > deadline:
+                        raise
+                    time.sleep(0.3)
+            assert e.value.status == 403 and "feedback is disabled" in e.value.message
         serve.shutdown()
     finally:
         ray.shutdown()
