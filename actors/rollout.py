@@ -10,6 +10,7 @@ reward with its utilities.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import numpy as np
@@ -20,7 +21,7 @@ from apex_bdq.nstep import NStepAccumulator, Transitions
 from apex_bdq.networks import BDQNetwork
 from apex_bdq.preference import Segment
 from apex_bdq.sim.platform import PlatformSim
-from learner.learner import Explorer
+from learner.learner import Explorer, _q_u
 
 
 class SegmentRecorder:
@@ -102,6 +103,11 @@ class RolloutWorker:
         # Discount per decision: gamma^k for a decision held k ticks.
         self.nstep = NStepAccumulator(sim_cfg.num_shards, agent_cfg.n_step, agent_cfg.gamma ** agent_cfg.decision_ticks)
         self.obs = self.sim.reset(seed=seed)
+        # Q-values (and preference utilities) of self.obs, computed once: the next decision
+        # acts on them and the transitions ending at self.obs bootstrap from them (initial
+        # priorities without a second forward pass). None = compute before the next decision.
+        self._q: Optional[np.ndarray] = None
+        self._u: Optional[np.ndarray] = None
         self.env_steps = 0
         self.episode_reward = np.zeros(sim_cfg.num_shards)
         self.finished_rewards: list[float] = []
@@ -111,12 +117,24 @@ class RolloutWorker:
         caller decides when the head is trained: pref.warmup_updates learner updates)."""
         self.explorer.temperature = self.steer_temperature if active else 0.0
         self.shaping = self.shaping_weight if active else 0.0
+        self._q = None  # the cached pass may lack the utilities now needed
+
+    def weights_changed(self) -> None:
+        """New weights were loaded into the network: act on Q-values computed with them."""
+        self._q = None
+
+    def _evaluate(self, obs) -> None:
+        want_u = self.shaping > 0 or self.explorer.temperature > 0
+        self._q, self._u = _q_u(self.net, obs.macro, obs.micro, want_u)
 
     def step(self) -> Optional[Transitions]:
         """One decision of every shard: act, hold the action for `decision_ticks` ticks,
         and return the n-step transitions (over decisions) completed by it (or None)."""
         o = self.obs
-        actions, _ = self.explorer.act(self.net, o.macro, o.micro, want_utilities=self.shaping > 0)
+        if self._q is None:
+            self._evaluate(o)
+        actions = self.explorer.choose(self._q, self._u)
+        q_taken = np.take_along_axis(self._q, actions[..., None], -1)[..., 0]  # [S, D]
         if self.recorder is not None:
             self.recorder.decision(o.macro, o.micro, actions)
         k, g = self.cfg.decision_ticks, self.cfg.gamma
@@ -143,29 +161,47 @@ class RolloutWorker:
             block += self.shaping * np.take_along_axis(centred, actions[..., None], -1)[..., 0].sum(-1)
         if self.recorder is not None:
             self.recorder.end_decision(self.version)
-        out = self.nstep.push(o.macro, o.micro, actions, block, nxt.macro, nxt.micro)
+        out = self.nstep.push(o.macro, o.micro, actions, block, nxt.macro, nxt.micro, q_taken)
         if truncated:
             tail = self.nstep.flush(nxt.macro, nxt.micro)  # None with n = 1: nothing is pending
             if tail is not None:
                 out = tail if out is None else Transitions.concat([out, tail])
+        # One forward pass over the next state: the next decision's Q-values, and the
+        # bootstrap of every transition completed now (they all end at nxt).
+        self._evaluate(nxt)
+        if out is not None:  # rows are whole [S] blocks (the completed one, then the tails)
+            out.priority = self._priority(out, np.tile(self._q.max(-1).mean(-1), len(out) // self.sim.S))
+        if truncated:
             self.finished_rewards.extend((self.episode_reward / self.sim.t).tolist())
             self.episode_reward[:] = 0
             nxt = self.sim.reset()
+            self._q = None
             self.explorer.reset()
             if self.recorder is not None:
                 self.recorder.reset()
         self.obs = nxt
         return out
 
+    def _priority(self, tr: Transitions, v_next: np.ndarray) -> np.ndarray:
+        """|TD| of each transition, y = R + discount * v_next against Q_d(s, a_d), aggregated
+        over branches by the learner's rule (mean or sum)."""
+        y = tr.reward + tr.discount * v_next  # [M]
+        td = np.abs(y[:, None] - tr.q_taken)  # [M, D]
+        return (td.mean(-1) if self.cfg.priority_rule == "mean" else td.sum(-1)).astype(np.float32)
+
     @torch.no_grad()
-    def priorities(self, tr: Transitions) -> np.ndarray:
-        """Initial |TD| priorities from this worker's network copy. Like Ape-X actors it has no
-        target network, so it bootstraps with its own max; the aggregation over branches
-        (mean or sum of |TD|) is the learner's rule."""
+    def priorities(self, tr: Transitions, recompute: bool = False) -> np.ndarray:
+        """Initial |TD| priorities. Like Ape-X actors the worker has no target network, so it
+        bootstraps with its own max over the next state's Q-values; the aggregation over
+        branches (mean or sum of |TD|) is the learner's rule. Transitions from `step` carry
+        them already, from the Q-values the worker computed to act (Q(s_t) when deciding at
+        s_t, Q(s_t+n) when deciding at s_t+n): no extra forward pass. Others, or
+        `recompute=True`, get two passes with the current weights."""
+        if tr.priority is not None and not recompute:
+            return tr.priority
         dev = next(self.net.parameters()).device
         q = self.net(torch.as_tensor(tr.macro, device=dev), torch.as_tensor(tr.micro, device=dev))
         qn = self.net(torch.as_tensor(tr.next_macro, device=dev), torch.as_tensor(tr.next_micro, device=dev))
         q_taken = q.gather(-1, torch.as_tensor(tr.action, device=dev).long().unsqueeze(-1)).squeeze(-1)
-        y = torch.as_tensor(tr.reward, device=dev) + torch.as_tensor(tr.discount, device=dev) * qn.max(-1).values.mean(-1)
-        td = (y.unsqueeze(-1) - q_taken).abs()
-        return (td.mean(-1) if self.cfg.priority_rule == "mean" else td.sum(-1)).cpu().numpy()
+        return self._priority(dataclasses.replace(tr, q_taken=q_taken.cpu().numpy()),
+                              qn.max(-1).values.mean(-1).cpu().numpy())

@@ -112,6 +112,7 @@ class RolloutActor:
 
     def _set_version(self, version: int) -> None:
         self.version = self.worker.version = version
+        self.worker.weights_changed()
         if self.preference is not None:  # weights this far on carry a trained preference head
             self.worker.set_preference_active(version >= self.cfg.pref.warmup_updates)
 

@@ -185,12 +185,17 @@ class Explorer:
         """Returns (actions [S, D] int64, q [S, D, n] float32); the preference utilities of
         the same pass are left in `self.utilities` (None without a head)."""
         q, u = _q_u(net, macro, micro, want_utilities or self.temperature > 0)
+        return self.choose(q, u), q
+
+    def choose(self, q: np.ndarray, u: Optional[np.ndarray] = None) -> np.ndarray:
+        """Actions [S, D] from Q-values [S, D, n] computed already (and the preference
+        utilities of the same pass, kept in `self.utilities`)."""
         self.utilities = u
         soft = u if self.temperature > 0 else None
         S, D, n = q.shape
         if self.hold_mu <= 0:
             explore = self.rng.random((S, D)) < self.eps[:, None]
-            return np.where(explore, _explore_choice(self.rng, (S, D), n, soft, self.temperature), q.argmax(-1)), q
+            return np.where(explore, _explore_choice(self.rng, (S, D), n, soft, self.temperature), q.argmax(-1))
         holding = self.left > 0
         start = ~holding & (self.rng.random((S, D)) < self.eps[:, None])
         if start.any():
@@ -199,4 +204,4 @@ class Explorer:
             self.left[start] = np.minimum(self.rng.zipf(self.hold_mu, size=k), self.max_hold)
         explore = self.left > 0
         self.left[explore] -= 1
-        return np.where(explore, self.held, q.argmax(-1)), q
+        return np.where(explore, self.held, q.argmax(-1))

@@ -75,6 +75,12 @@ def test_rollout_worker_ladder_transitions_and_priorities():
     np.testing.assert_allclose(got[2].discount, 0.9 ** 6, rtol=1e-6)
     pr = w.priorities(got[5])
     assert pr.shape == (4,) and (pr >= 0).all() and np.isfinite(pr).all()
+    # The priorities the worker computed from the Q-values it acted on (no extra forward
+    # pass) equal two fresh passes with the same weights, the episode-end tails included.
+    for tr in got[2:]:
+        assert tr.priority is not None and tr.priority.shape == (len(tr),)
+        np.testing.assert_allclose(tr.priority, w.priorities(tr, recompute=True), rtol=1e-4, atol=1e-6)
+    assert len(got[-1]) == 3 * 4  # the last decision completes one transition and flushes two tails
     # The first transition's return is the per-tick discounted sum of its 6 ticks of reward,
     # each decision's action held for two ticks: replay the same actions on an identical
     # simulator (same seed, so the same arrivals).
