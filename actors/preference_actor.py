@@ -12,6 +12,7 @@ finds every pair it ever accepted, with the segment data the learner needs.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections import OrderedDict
@@ -219,9 +220,21 @@ class PreferenceActor:
         return PreferenceBatch.from_pairs([self.pairs[i] for i in idx], self.ranked)
 
     @torch.no_grad()
-    def heldout_accuracy(self, net) -> float:
-        """Share of held-out strict pairs the ensemble-mean head ranks as the oracle did."""
-        strict = [p for p in self.heldout if p.label != 0.5]
+    def heldout_accuracy(self, net, noise_free: bool = False) -> float:
+        """Share of held-out strict pairs the ensemble-mean head ranks as labelled, or with
+        `noise_free`, as the oracle's rule ranks them without its random answers (the labels
+        a perfect labeller would give; ties left out)."""
+        if noise_free:
+            strict, rng = [], np.random.default_rng(0)  # not self.rng: measuring changes no later query
+            for p in self.heldout:
+                a, b = self.ranked.get(p.a), self.ranked.get(p.b)
+                if a is None or b is None:
+                    continue
+                lab = oracle_label(a, b, self.cfg.oracle_weights, 0.0, rng, tie_margin=self.cfg.oracle_tie_margin)
+                if lab != 0.5:
+                    strict.append(dataclasses.replace(p, label=lab))
+        else:
+            strict = [p for p in self.heldout if p.label != 0.5]
         if not strict:
             return float("nan")
         batch = PreferenceBatch.from_pairs(strict, self.ranked)

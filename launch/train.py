@@ -217,7 +217,8 @@ class LocalTrainer:
     def preference_stats(self) -> Optional[dict]:
         if self.pref is None:
             return None
-        return {**self.pref.stats(), "heldout_pair_accuracy": self.pref.heldout_accuracy(self.learner.net)}
+        return {**self.pref.stats(), "heldout_pair_accuracy": self.pref.heldout_accuracy(self.learner.net),
+                "heldout_pair_accuracy_noise_free": self.pref.heldout_accuracy(self.learner.net, noise_free=True)}
 
 
 def plot_curve(history: list[dict], path: str) -> None:

@@ -142,6 +142,21 @@ def test_head_learns_to_rank_held_out_oracle_pairs():
     assert ex["accuracy"].item() >= 0.9
 
 
+def test_noise_free_held_out_accuracy_ignores_the_labellers_mistakes(tmp_path):
+    """Held-out pairs all labelled the wrong way round: the accuracy against the labels
+    and the one against the oracle's own rule add up to 1 (ties excluded from both)."""
+    rng = np.random.default_rng(4)
+    pa = pref_actor(tmp_path)
+    segs = [make_segment(rng, overload=float(i) / 42) for i in range(42)]  # 21 pairs: an accuracy is never 1/2
+    pa.add_segments(segs)
+    for a, b in zip(segs[0::2], segs[1::2]):  # a has the lower overload: the rule prefers a
+        pa.rank(a.id, b.id, 0.0, source="human", heldout=True)  # a labeller who got them all wrong
+    net = Learner(NET, AgentConfig(), seed=0, pref_beta=1.0).net
+    given, true = pa.heldout_accuracy(net), pa.heldout_accuracy(net, noise_free=True)
+    assert 0.0 <= given <= 1.0 and given + true == pytest.approx(1.0)
+    pa.close()
+
+
 # -- oracle ------------------------------------------------------------------------------
 def test_oracle_prefers_the_safer_segment_and_errs_at_its_rate():
     rng = np.random.default_rng(3)
