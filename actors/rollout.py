@@ -21,7 +21,7 @@ from apex_bdq.nstep import NStepAccumulator, Transitions
 from apex_bdq.networks import BDQNetwork
 from apex_bdq.preference import Segment
 from apex_bdq.sim.platform import PlatformSim
-from learner.learner import Explorer, _q_u
+from learner.learner import Explorer, act_values
 
 
 class SegmentRecorder:
@@ -125,7 +125,7 @@ class RolloutWorker:
 
     def _evaluate(self, obs) -> None:
         want_u = self.shaping > 0 or self.explorer.temperature > 0
-        self._q, self._u = _q_u(self.net, obs.macro, obs.micro, want_u)
+        self._q, self._u = act_values(self.net, obs.macro, obs.micro, want_u)
 
     def step(self) -> Optional[Transitions]:
         """One decision of every shard: act, hold the action for `decision_ticks` ticks,
@@ -170,6 +170,7 @@ class RolloutWorker:
         # bootstrap of every transition completed now (they all end at nxt).
         self._evaluate(nxt)
         if out is not None:  # rows are whole [S] blocks (the completed one, then the tails)
+            assert len(out) % self.sim.S == 0, (len(out), self.sim.S)
             out.priority = self._priority(out, np.tile(self._q.max(-1).mean(-1), len(out) // self.sim.S))
         if truncated:
             self.finished_rewards.extend((self.episode_reward / self.sim.t).tolist())
@@ -195,8 +196,10 @@ class RolloutWorker:
         bootstraps with its own max over the next state's Q-values; the aggregation over
         branches (mean or sum of |TD|) is the learner's rule. Transitions from `step` carry
         them already, from the Q-values the worker computed to act (Q(s_t) when deciding at
-        s_t, Q(s_t+n) when deciding at s_t+n): no extra forward pass. Others, or
-        `recompute=True`, get two passes with the current weights."""
+        s_t, Q(s_t+k) when deciding at s_t+k, k = n or a shorter episode-end tail): no extra
+        forward pass; after a weight reload in between, Q(s_t) is the older weights' (as
+        with Ape-X actors). Others, or `recompute=True`, get two passes with the current
+        weights."""
         if tr.priority is not None and not recompute:
             return tr.priority
         dev = next(self.net.parameters()).device

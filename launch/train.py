@@ -80,8 +80,9 @@ class LocalTrainer:
         p = cfg.pref
         self.learner = Learner(cfg.net, a, device=device, seed=cfg.seed, pref_beta=p.beta if p.enabled else 0.0)
         # Rollout: S shards acting with the learner's own network (in one process the copy
-        # is the same object, so weights are always current: version lag 0). With
-        # preferences on it also cuts segments for the preference actor.
+        # is the same object; after every tick with updates the worker drops its cached
+        # Q-values, so it acts on current weights: version lag 0). With preferences on it
+        # also cuts segments for the preference actor.
         self.rollout = RolloutWorker(cfg.sim, a, self.learner.net, seed=cfg.seed, pref_cfg=p, source="local")
         # Preference actor: segments in, ranked pairs (oracle, people) out to the learner;
         # every accepted pair is in the durable log before it counts.
@@ -127,6 +128,7 @@ class LocalTrainer:
                 raise
             raise CheckpointError(f"checkpoint {str(path)!r} cannot be resumed: {type(e).__name__}: {e}") from e
         self.t_offset = float(self.history[-1]["t_s"]) if self.history else 0.0
+        self.rollout.weights_changed()
 
     # -- loop ----------------------------------------------------------------------------
     def train_tick(self) -> None:
@@ -153,6 +155,7 @@ class LocalTrainer:
             out = self.learner.update(s.data, s.weights, pb)
             self.replay.update_priorities(s.indices, s.generations, out["priorities"])
             self.last_loss = out["loss"]
+            self.rollout.weights_changed()
 
     def evaluate(self, ticks: Optional[int], shards: int) -> dict:
         return evaluate_against_hpa(self.learner.net, self.cfg, ticks, shards, self._hpa_cache)

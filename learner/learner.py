@@ -141,8 +141,10 @@ def _explore_choice(rng: np.random.Generator, shape: tuple, n: int, utilities: O
 
 
 @torch.no_grad()
-def _q_u(net: BDQNetwork, macro: np.ndarray, micro: np.ndarray, want_u: bool,
-         device: Optional[torch.device] = None) -> tuple[np.ndarray, Optional[np.ndarray]]:
+def act_values(net: BDQNetwork, macro: np.ndarray, micro: np.ndarray, want_u: bool,
+               device: Optional[torch.device] = None) -> tuple[np.ndarray, Optional[np.ndarray]]:
+    """Q-values [S, D, n] of a batch of observations, and the preference utilities of the
+    same pass when wanted and the network has a head (else None), as numpy arrays."""
     dev = device or next(net.parameters()).device
     m, u = torch.as_tensor(macro, device=dev), torch.as_tensor(micro, device=dev)
     if want_u and net.pref is not None:
@@ -184,7 +186,7 @@ class Explorer:
             want_utilities: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Returns (actions [S, D] int64, q [S, D, n] float32); the preference utilities of
         the same pass are left in `self.utilities` (None without a head)."""
-        q, u = _q_u(net, macro, micro, want_utilities or self.temperature > 0)
+        q, u = act_values(net, macro, micro, want_utilities or self.temperature > 0)
         return self.choose(q, u), q
 
     def choose(self, q: np.ndarray, u: Optional[np.ndarray] = None) -> np.ndarray:
