@@ -192,12 +192,26 @@ def bench_replay(repeats: int, seconds: float, capacity: int, batch: int, chunk:
     res["bytes_per_transition"] = per
     new_p = torch.rand(batch) + 0.01
 
-    def ours_step(rb=rb):
+    def ours_step(rb):
         s = rb.sample(batch)
         rb.update_priorities(s.indices, s.generations, new_p)
 
-    ours = [_time_loop(ours_step, seconds) for _ in range(repeats)]
+    ours = [_time_loop(lambda: ours_step(rb), seconds) for _ in range(repeats)]
     res["ours_steps_per_s"] = statistics.median(ours)
+    from replay_server import _memory
+    res["ours_anon_hugepages_mb"] = _memory.anon_hugepages_mb()
+    del rb
+    gc.collect()
+    # The same replay without the huge-page request (replay_server/_memory.py), side by side.
+    os.environ["APEX_BDQ_NO_HUGEPAGES"] = "1"
+    try:
+        rb = PrioritizedReplay(capacity, fields, device="cpu", seed=0)
+        for i in range(-(-capacity // chunk)):
+            rb.add(chunks[i % 4], prio)
+        res["ours_no_hugepages_steps_per_s"] = statistics.median(_time_loop(lambda: ours_step(rb), seconds)
+                                                                  for _ in range(repeats))
+    finally:
+        os.environ.pop("APEX_BDQ_NO_HUGEPAGES", None)
     del rb
     gc.collect()
 
@@ -253,11 +267,12 @@ def bench_replay(repeats: int, seconds: float, capacity: int, batch: int, chunk:
     res["ratio_vs_faster_peer"] = res["ours_steps_per_s"] / max(peer) if peer else None
     print(f"Prioritized replay, capacity {capacity:,}, sample {batch} + update {batch} per step, "
           f"one pinned core ({pinned}), median of {repeats}")
-    print(f"{'':10} {'steps/s':>12} {'insert/s':>14}")
-    for name in ("ours", "cpprb", "torchrl"):
+    print(f"{'':18} {'steps/s':>12} {'insert/s':>14}")
+    for name in ("ours", "ours_no_hugepages", "cpprb", "torchrl"):
         v = res.get(f"{name}_steps_per_s")
         ins = res.get(f"{name}_insert_per_s")
-        print(f"{name:10} {v:>12,.0f} {ins:>14,.0f}" if v else f"{name:10} {'n/a':>12}")
+        print(f"{name:18} {v:>12,.0f} {ins:>14,.0f}" if v and ins else f"{name:18} {v:>12,.0f}" if v
+              else f"{name:18} {'n/a':>12}")
     print(f"bytes/transition {res['bytes_per_transition']:.0f}, peak RSS {res['peak_rss_mb']:,.0f} MB; "
           f"ours / faster peer: {res['ratio_vs_faster_peer']:.2f}x" if peer else "")
     return res

@@ -1,10 +1,14 @@
-"""C++ kernels for the sum tree on CPU, built at first use with torch's cpp_extension.
+"""C++ kernels for the replay on CPU, built at first use with torch's cpp_extension.
 
 On CPU, a tree walk written as tensor operations pays torch's per-operation overhead
 (~3 us) for every level and step of every batch; these loops do the same walk over the
-same tensors in one call (the approach TorchRL's C++ segment tree takes too). CUDA tensors
-use the tensor-operation path in `sum_tree.py`, which is also the reference these kernels
-are tested against. If the build fails (no compiler), the tensor path is used everywhere.
+same tensors in one call (the approach TorchRL's C++ segment tree takes too). A replay
+sample is one call (walk, leaves, importance weights, a row gather that prefetches a few
+rows ahead, generations, the split into fields) and so is a priority update (checks,
+generation test, leaves, ancestors level by level, running maximum): ~30 tensor operations
+and their ~3 us each become two calls. CUDA tensors use the tensor-operation paths in
+`sum_tree.py` and `replay.py`, which are the reference these kernels are tested against.
+If the build fails (no compiler), the tensor paths are used everywhere.
 """
 
 from __future__ import annotations
@@ -17,18 +21,22 @@ log = logging.getLogger(__name__)
 
 _SRC = r"""
 #include <torch/extension.h>
+#include <cmath>
+#include <cstring>
 #include <limits>
+#include <tuple>
+#include <type_traits>
 #include <vector>
 
 // levels[0] = leaves, levels[l+1][i] = sum of levels[l][i*F .. i*F+F-1]; all float64, contiguous.
 
-torch::Tensor tree_find(std::vector<torch::Tensor> levels, torch::Tensor mass, int64_t fanout) {
+// The walk for B prefix masses, written into node[B].
+static void find_into(const std::vector<torch::Tensor>& levels, const double* mass, int64_t B, int64_t fanout,
+                      int64_t* node) {
   // Level by level for the whole batch (not sample by sample): the B walks are independent,
   // so their cache misses overlap instead of forming one long dependent chain.
-  const int64_t B = mass.size(0);
-  auto out = torch::zeros({B}, torch::dtype(torch::kLong));
-  std::vector<double> u(mass.data_ptr<double>(), mass.data_ptr<double>() + B);
-  int64_t* node = out.data_ptr<int64_t>();
+  std::vector<double> u(mass, mass + B);
+  for (int64_t b = 0; b < B; ++b) node[b] = 0;
   const int64_t L = (int64_t)levels.size();
   for (int64_t l = L - 1; l >= 0; --l) {
     const double* lv = levels[l].data_ptr<double>();
@@ -42,21 +50,175 @@ torch::Tensor tree_find(std::vector<torch::Tensor> levels, torch::Tensor mass, i
       const int64_t base = top ? 0 : node[b] * fanout;
       const double* c = lv + base;
       double ub = u[b];
+      // Branch-free: j = how many running sums of the children are <= the mass (the tensor
+      // path's rule); the loop has no data-dependent exit, so walks of different b overlap.
+      double acc = 0, below = 0;
       int64_t j = 0, last = -1;
-      for (; j < n; ++j) {
-        if (c[j] > 0) last = j;
-        if (ub < c[j]) break;
-        ub -= c[j];
+      for (int64_t k = 0; k < n; ++k) {
+        acc += c[k];
+        const bool le = acc <= ub;
+        j += le;
+        below = le ? acc : below;
+        last = c[k] > 0 ? k : last;
       }
       if (j == n) {  // rounding put the mass at the block's end: take its last non-empty child,
         j = last < 0 ? n - 1 : last;  // and the end of that child's range further down
         ub = std::numeric_limits<double>::infinity();
+      } else {
+        ub -= below;
       }
       u[b] = ub;
       node[b] = base + j;
     }
   }
+}
+
+torch::Tensor tree_find(std::vector<torch::Tensor> levels, torch::Tensor mass, int64_t fanout) {
+  const int64_t B = mass.size(0);
+  auto out = torch::empty({B}, torch::dtype(torch::kLong));
+  find_into(levels, mass.data_ptr<double>(), B, fanout, out.data_ptr<int64_t>());
   return out;
+}
+
+// One replay sample in one call: the tree walk for B masses (uniform [B] in [0, 1) times
+// total), the sampled leaves, their
+// probabilities leaf/total, importance weights (size*p)^-beta over their maximum, the packed
+// rows (each row prefetched a few rows ahead of its copy) and the slots' generations; the
+// rows are handed back split into fields: split[f] = {first column, end column, dtype, *shape}.
+// Returns (idx, p, w, fields, generations, count of sampled leaves <= 0).
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, std::vector<torch::Tensor>, torch::Tensor, int64_t>
+replay_sample(std::vector<torch::Tensor> levels, torch::Tensor uniform, int64_t fanout, double total, int64_t size,
+              double beta, torch::Tensor packed, torch::Tensor generation, torch::Tensor meta,
+              std::vector<std::vector<int64_t>> split) {
+  TORCH_CHECK(packed.is_contiguous() && packed.scalar_type() == torch::kFloat && packed.dim() == 2,
+              "replay_sample: packed storage must be a contiguous float32 matrix");
+  const int64_t B = uniform.size(0), C = packed.size(1);
+  auto idx = torch::empty({B}, torch::dtype(torch::kLong));
+  int64_t* ix = idx.data_ptr<int64_t>();
+  std::vector<double> mass(uniform.data_ptr<double>(), uniform.data_ptr<double>() + B);
+  for (auto& m : mass) m *= total;
+  find_into(levels, mass.data(), B, fanout, ix);
+  const double* leaves = levels[0].data_ptr<double>();
+  auto p = torch::empty({B}, torch::dtype(torch::kDouble));
+  auto w = torch::empty({B}, torch::dtype(torch::kFloat));
+  double* pp = p.data_ptr<double>();
+  float* ww = w.data_ptr<float>();
+  std::vector<double> wd(B);
+  int64_t bad = 0;
+  double wmax = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const double leaf = leaves[ix[b]];
+    if (!(leaf > 0)) ++bad;
+    pp[b] = leaf / total;
+    wd[b] = std::pow((double)size * pp[b], -beta);
+    if (b == 0 || wd[b] > wmax) wmax = wd[b];
+  }
+  for (int64_t b = 0; b < B; ++b) ww[b] = (float)(wd[b] / wmax);
+  auto rows = torch::empty({B, C}, torch::dtype(torch::kFloat));
+  auto gens = torch::empty({B}, torch::dtype(torch::kLong));
+  const float* src = packed.data_ptr<float>();
+  float* dst = rows.data_ptr<float>();
+  const int64_t* gen = generation.data_ptr<int64_t>();
+  int64_t* g = gens.data_ptr<int64_t>();
+  const int64_t bytes = C * (int64_t)sizeof(float), ahead = 4;
+  for (int64_t b = 0; b < B; ++b) {
+    if (b + ahead < B) {
+      const char* q = reinterpret_cast<const char*>(src + ix[b + ahead] * C);
+      for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(q + off);
+      __builtin_prefetch(gen + ix[b + ahead]);
+    }
+    std::memcpy(dst + b * C, src + ix[b] * C, bytes);
+    g[b] = gen[ix[b]];
+  }
+  meta.data_ptr<int64_t>()[3] += B;
+  std::vector<torch::Tensor> fields;
+  fields.reserve(split.size());
+  for (const auto& f : split) {
+    std::vector<int64_t> shape{B}, strides(f.size() - 2);
+    shape.insert(shape.end(), f.begin() + 3, f.end());
+    const int64_t width = f[1] - f[0];
+    strides.back() = 1;
+    for (int64_t d = (int64_t)shape.size() - 2; d >= 1; --d) strides[d] = strides[d + 1] * shape[d + 1];
+    strides[0] = C;
+    const auto dt = static_cast<torch::ScalarType>(f[2]);
+    if (dt == torch::kFloat) {  // a view of the gathered rows
+      fields.push_back(rows.as_strided(shape, strides, f[0]));
+      continue;
+    }
+    auto out = torch::empty(shape, torch::dtype(dt));  // exact: these dtypes sit in float32 unrounded
+    auto cast = [&](auto* o) {
+      using T = std::remove_pointer_t<decltype(o)>;
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t j = 0; j < width; ++j) o[b * width + j] = static_cast<T>(dst[b * C + f[0] + j]);
+    };
+    switch (dt) {
+      case torch::kByte: cast(out.data_ptr<uint8_t>()); break;
+      case torch::kChar: cast(out.data_ptr<int8_t>()); break;
+      case torch::kShort: cast(out.data_ptr<int16_t>()); break;
+      case torch::kBool: cast(out.data_ptr<bool>()); break;
+      default: TORCH_CHECK(false, "replay_sample: packed field of unsupported dtype ", dt);
+    }
+    fields.push_back(out);
+  }
+  return {idx, p, w, fields, gens, bad};
+}
+
+// Priority update in one call. Checks every index and priority before writing anything;
+// returns (applied, status, position): status 1 = index out of range, 2 = priority not finite
+// or negative (position = the first offender), 0 = done. Entries whose slot's generation
+// differs from the sampled one (overwritten since) are skipped; the others' leaves become
+// (p + eps)^alpha, their ancestors are recomputed level by level for the whole batch, and
+// max_priority takes the largest applied priority.
+std::tuple<int64_t, int64_t, int64_t> replay_update(std::vector<torch::Tensor> levels, int64_t fanout,
+    torch::Tensor generation, torch::Tensor idx, torch::Tensor gens, torch::Tensor prio, double eps, double alpha,
+    torch::Tensor max_p) {
+  const int64_t M = idx.size(0), N = generation.size(0);
+  const int64_t* ix = idx.data_ptr<int64_t>();
+  const int64_t* sg = gens.data_ptr<int64_t>();
+  std::vector<double> pr(M);
+  if (prio.scalar_type() == torch::kFloat) {
+    const float* f = prio.data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m) pr[m] = f[m];
+  } else {
+    TORCH_CHECK(prio.scalar_type() == torch::kDouble, "replay_update: priorities must be float32 or float64");
+    const double* d = prio.data_ptr<double>();
+    for (int64_t m = 0; m < M; ++m) pr[m] = d[m];
+  }
+  for (int64_t m = 0; m < M; ++m)
+    if (ix[m] < 0 || ix[m] >= N) return {0, 1, m};
+  for (int64_t m = 0; m < M; ++m)
+    if (!(pr[m] >= 0 && pr[m] < std::numeric_limits<double>::infinity())) return {0, 2, m};
+  const int64_t* gen = generation.data_ptr<int64_t>();
+  std::vector<int64_t> node;
+  node.reserve(M);
+  double* leaves = levels[0].data_ptr<double>();
+  double mx = -1;
+  for (int64_t m = 0; m < M; ++m) {
+    if (m + 8 < M) { __builtin_prefetch(gen + ix[m + 8]); __builtin_prefetch(leaves + ix[m + 8], 1); }
+    if (gen[ix[m]] != sg[m]) continue;
+    leaves[ix[m]] = std::pow(pr[m] + eps, alpha);
+    if (pr[m] > mx) mx = pr[m];
+    node.push_back(ix[m]);
+  }
+  const int64_t A = (int64_t)node.size(), L = (int64_t)levels.size();
+  for (int64_t l = 1; l < L; ++l) {
+    const double* below = levels[l - 1].data_ptr<double>();
+    double* above = levels[l].data_ptr<double>();
+    for (int64_t a = 0; a < A; ++a) {
+      if (a + 8 < A) __builtin_prefetch(below + (node[a + 8] / fanout) * fanout);
+      const int64_t parent = node[a] / fanout;
+      const double* c = below + parent * fanout;
+      double s = 0;
+      for (int64_t j = 0; j < fanout; ++j) s += c[j];
+      above[parent] = s;
+      node[a] = parent;
+    }
+  }
+  if (A) {
+    double* mp = max_p.data_ptr<double>();
+    if (mx > *mp) *mp = mx;
+  }
+  return {A, 0, 0};
 }
 
 void tree_update(std::vector<torch::Tensor> levels, torch::Tensor idx, torch::Tensor values, int64_t fanout) {
@@ -85,6 +247,9 @@ void tree_update(std::vector<torch::Tensor> levels, torch::Tensor idx, torch::Te
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tree_find", &tree_find, "sum tree: leaf for each prefix mass");
   m.def("tree_update", &tree_update, "sum tree: set leaves and refresh ancestors");
+  m.def("scalar_type", [](torch::Tensor t) { return (int64_t)t.scalar_type(); }, "c10::ScalarType code of a tensor");
+  m.def("replay_sample", &replay_sample, "replay: walk, weights, row gather, generations");
+  m.def("replay_update", &replay_update, "replay: checked, generation-aware priority update");
 }
 """
 
@@ -105,7 +270,7 @@ def kernels():
         if _module is None and not _failed:
             try:
                 from torch.utils.cpp_extension import load_inline
-                _module = load_inline(name="apex_bdq_sumtree_v5", cpp_sources=[_SRC], extra_cflags=["-O3"],
+                _module = load_inline(name="apex_bdq_sumtree_v6", cpp_sources=[_SRC], extra_cflags=["-O3"],
                                       verbose=False)
             except Exception as e:  # no compiler, no ninja, ...: fall back to tensor ops
                 log.warning("sum tree C++ kernels unavailable, using tensor operations on CPU: %s", e)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Mapping, Optional
 
 import torch
 
+from replay_server import _memory
 from replay_server.sum_tree import SumTree
 
 if TYPE_CHECKING:
@@ -51,10 +52,13 @@ class SampledBatch:
 class PrioritizedReplay:
     def __init__(self, capacity: int, fields: Mapping[str, FieldSpec], device: torch.device | str = "cpu",
                  alpha: float = 0.6, beta0: float = 0.4, beta_steps: int = 100_000, eps: float = 1e-6,
-                 fanout: int = 16, seed: Optional[int] = None, shared: Optional["SharedArena"] = None) -> None:
+                 fanout: int = 16, seed: Optional[int] = None, shared: Optional["SharedArena"] = None,
+                 use_cpp: bool = True) -> None:
         """shared: allocate every tensor from this arena (`replay_server/shared.py`): a fresh
         one makes this replay shareable (hand `shared_spec()` to another process on the node);
-        an attached one makes this object a view of that replay, operating on it in place."""
+        an attached one makes this object a view of that replay, operating on it in place.
+        use_cpp: on CPU, run sample and priority update as one C++ call each
+        (`_cpu_kernels.py`); False runs the tensor-operation path CUDA runs (the reference)."""
         if capacity < 1:
             raise ReplayError(f"replay capacity must be >= 1, got {capacity}")
         if not 0 <= alpha <= 1 or not 0 <= beta0 <= 1:
@@ -83,7 +87,7 @@ class PrioritizedReplay:
         plan += [(f"tree.{i}", (n,), torch.float64) for i, n in enumerate(SumTree.level_sizes(self.capacity, fanout))]
         self.shared = shared
         if shared is None:
-            t = {name: torch.zeros(shape, dtype=dt, device=self.device) for name, shape, dt in plan}
+            t = {name: _memory.zeros(shape, dt, self.device) for name, shape, dt in plan}
             self.lock = threading.RLock()  # the learner samples from a prefetch thread
         else:
             t = shared.allocate(plan)
@@ -105,7 +109,10 @@ class PrioritizedReplay:
         if fresh:
             self.generation.fill_(-1)
             self._max_p.fill_(1.0)
-        self.tree = SumTree(self.capacity, self.device, fanout,
+        self.use_cpp = use_cpp
+        self._unpacked = [k for k in self.fields if k not in self.columns]
+        self._split_plan: Optional[list] = None  # the C++ sample's field split, built at first use
+        self.tree = SumTree(self.capacity, self.device, fanout, use_cpp=use_cpp,
                             levels=[t[f"tree.{i}"] for i in range(len(SumTree.level_sizes(self.capacity, fanout)))])
         self.samples = 0  # this process's sample calls (drive its beta)
         self.rng = torch.Generator(device=self.device)
@@ -238,10 +245,30 @@ class PrioritizedReplay:
         size = self.size
         if size == 0:
             raise ReplayError("cannot sample from an empty replay")
+        k = self.tree._kernels()
+        if k is not None:  # CPU: walk, weights, row gather and generations in one C++ call
+            total = float(self.tree.total)
+            if not total > 0:
+                raise ReplayError("cannot sample: every priority in the replay is zero (use eps > 0)")
+            u = torch.rand(batch_size, dtype=torch.float64, generator=self.rng)  # times total in C++
+            b = float(self.beta if beta is None else beta)
+            idx, p, w, parts, gens, bad = k.replay_sample(self.tree.levels, u, self.tree.fanout, total, size, b,
+                                                          self.packed, self.generation, self._meta,
+                                                          self._split_plan or self._make_split(k))
+            if not bad:
+                self.samples += 1
+                data = dict(zip(self.columns, parts))
+                for name in self._unpacked:
+                    data[name] = self.storage[name].index_select(0, idx)
+                return SampledBatch(indices=idx, generations=gens, weights=w, probabilities=p,
+                                    data={name: data[name] for name in self.fields})
+            # A sampled leaf <= 0 (float rounding): undo the count; the path below draws again.
+            self._meta[3] -= batch_size
         total = self.tree.total
         if not bool(total > 0):
             raise ReplayError("cannot sample: every priority in the replay is zero (use eps > 0)")
         u = torch.rand(batch_size, dtype=torch.float64, device=self.device, generator=self.rng) * total
+        b = self.beta if beta is None else beta
         idx = self.tree.find(u)
         leaf = self.tree.get(idx)
         while not bool((leaf > 0).all()):  # float rounding at a block end: draw those again
@@ -250,22 +277,32 @@ class PrioritizedReplay:
             idx[bad] = self.tree.find(u2)
             leaf = self.tree.get(idx)
         p = leaf / total  # [B] sampling probabilities
-        b = self.beta if beta is None else beta
         w = (size * p) ** (-b)
         w = (w / w.max()).to(torch.float32)
         self.samples += 1
         self._meta[3] += batch_size
         rows = self.packed.index_select(0, idx)  # [B, columns]: one gather for the packed fields
+        return SampledBatch(indices=idx, generations=self.generation.index_select(0, idx), weights=w,
+                            probabilities=p, data=self._fields_of(rows, idx))
+
+    def _make_split(self, k) -> list:
+        """Each packed field as [first column, end column, c10 dtype code, *shape]."""
+        self._split_plan = [[a, b, k.scalar_type(torch.empty(0, dtype=self.fields[name].dtype)),
+                             *self.fields[name].shape] for name, (a, b) in self.columns.items()]
+        return self._split_plan
+
+    def _fields_of(self, rows: torch.Tensor, idx: torch.Tensor) -> dict:
+        """field -> [B, *shape] from the gathered packed rows (views) and the other fields."""
+        n = rows.shape[0]
         data = {}
         for k, f in self.fields.items():
             if k in self.columns:
                 a, b_ = self.columns[k]
-                v = rows[:, a:b_].view(batch_size, *f.shape)
+                v = rows[:, a:b_].view(n, *f.shape)
                 data[k] = v if f.dtype == torch.float32 else v.to(f.dtype)
             else:
                 data[k] = self.storage[k].index_select(0, idx)
-        return SampledBatch(indices=idx, generations=self.generation.index_select(0, idx), weights=w,
-                            probabilities=p, data=data)
+        return data
 
     def update_priorities(self, indices: torch.Tensor, generations: torch.Tensor, priorities: torch.Tensor) -> int:
         """Set new priorities; entries whose slot has been overwritten since sampling (its
@@ -276,6 +313,19 @@ class PrioritizedReplay:
         idx = indices.to(self.device)
         if idx.numel() == 0:
             return 0
+        k = self.tree._kernels()
+        if k is not None:  # CPU: checks, generation test, leaves, ancestors, max in one C++ call
+            pr = priorities if priorities.dtype in (torch.float32, torch.float64) else priorities.double()
+            with self.lock:
+                applied, status, pos = k.replay_update(
+                    self.tree.levels, self.tree.fanout, self.generation, idx.long().contiguous(),
+                    generations.to(self.device, torch.long).contiguous(), pr.contiguous(), self.eps, self.alpha,
+                    self._max_p)
+            if status == 1:
+                raise ReplayError(f"indices must be in [0, {self.capacity}), got {int(idx.min())}..{int(idx.max())}")
+            if status == 2:
+                raise ReplayError(f"priorities must be finite and >= 0, got {pr[pos].item()}")
+            return applied
         if not bool(((idx >= 0) & (idx < self.capacity)).all()):
             raise ReplayError(f"indices must be in [0, {self.capacity}), got {int(idx.min())}..{int(idx.max())}")
         leaf = self._leaf_values(priorities)

@@ -152,6 +152,10 @@ class SharedArena:
             with open(self.path, "wb") as f:
                 f.truncate(off)  # sparse, zero-filled
         base = torch.from_file(self.path, shared=True, size=off, dtype=torch.uint8)
+        # Huge pages where the kernel gives them to shared memory (shmem_enabled=advise or
+        # within_size); otherwise a no-op. See `_memory.py`.
+        from replay_server._memory import advise_hugepages
+        advise_hugepages(base)
         for name, shape, dtype in plan:
             o, s_, _ = layout[name]
             n = torch.Size(s_).numel() * torch.empty((), dtype=dtype).element_size()
