@@ -244,12 +244,14 @@ void tree_update(std::vector<torch::Tensor> levels, torch::Tensor idx, torch::Te
   }
 }
 
+// The calls release the GIL (the learner samples from a prefetch thread while its main
+// thread runs the update); they touch no Python objects.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("tree_find", &tree_find, "sum tree: leaf for each prefix mass");
-  m.def("tree_update", &tree_update, "sum tree: set leaves and refresh ancestors");
+  m.def("tree_find", &tree_find, py::call_guard<py::gil_scoped_release>(), "sum tree: leaf for each prefix mass");
+  m.def("tree_update", &tree_update, py::call_guard<py::gil_scoped_release>(), "sum tree: set leaves and refresh ancestors");
   m.def("scalar_type", [](torch::Tensor t) { return (int64_t)t.scalar_type(); }, "c10::ScalarType code of a tensor");
-  m.def("replay_sample", &replay_sample, "replay: walk, weights, row gather, generations");
-  m.def("replay_update", &replay_update, "replay: checked, generation-aware priority update");
+  m.def("replay_sample", &replay_sample, py::call_guard<py::gil_scoped_release>(), "replay: walk, weights, row gather, generations");
+  m.def("replay_update", &replay_update, py::call_guard<py::gil_scoped_release>(), "replay: checked, generation-aware priority update");
 }
 """
 
@@ -270,7 +272,7 @@ def kernels():
         if _module is None and not _failed:
             try:
                 from torch.utils.cpp_extension import load_inline
-                _module = load_inline(name="apex_bdq_sumtree_v6", cpp_sources=[_SRC], extra_cflags=["-O3"],
+                _module = load_inline(name="apex_bdq_replay_v7", cpp_sources=[_SRC], extra_cflags=["-O3"],
                                       verbose=False)
             except Exception as e:  # no compiler, no ninja, ...: fall back to tensor ops
                 log.warning("sum tree C++ kernels unavailable, using tensor operations on CPU: %s", e)
