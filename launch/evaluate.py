@@ -6,6 +6,12 @@
 `--trace` takes any CSV with a time column (or an interval suffix like `_5min` in its name)
 and one or more rate columns; `--trace shared` evaluates on every CSV of ../shared/traces.
 Without `--trace` the bundled Azure Functions 2019 trace is used.
+
+A checkpoint is evaluated on the platform it was trained for: its simulator settings (the
+capacity tiers, the scale-down window, SLOs, prices, ...; not its trace) become the
+platform every policy of the table runs on, so a policy trained with e.g. `--set
+sim.headroom_min=1.8` is scored with the tiers it learned. Checkpoints trained on different
+platforms are refused together.
 """
 
 from __future__ import annotations
@@ -17,8 +23,10 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from apex_bdq.checkpoint import CheckpointError
-from apex_bdq.config import ConfigError, SimConfig, TraceConfig
+import dataclasses
+
+from apex_bdq.checkpoint import CheckpointError, load_checkpoint
+from apex_bdq.config import ConfigError, SimConfig, TraceConfig, sim_config_from_dict
 from apex_bdq.evaluation import METRIC_KEYS, EvalResult, evaluate_policy
 from apex_bdq.sim.baselines import BASELINES, make_baseline
 from apex_bdq.sim.trace import TraceError
@@ -70,6 +78,34 @@ def make_policy(name: str, cfg: SimConfig):
         from apex_bdq.checkpoint import load_policy
         return load_policy(name.split(":", 1)[1], cfg)
     return make_baseline(name)
+
+
+def checkpoint_platform(names: list[str]) -> tuple[SimConfig, list[str]]:
+    """The simulator config the checkpoints among `names` were trained with (trace and
+    seed reset to the defaults), and the fields where it differs from the default; the
+    default when there is no checkpoint. Checkpoints of different platforms are refused."""
+    base = SimConfig()
+    found: dict[str, SimConfig] = {}
+    for n in names:
+        if n.startswith("checkpoint:"):
+            path = n.split(":", 1)[1]
+            ck = load_checkpoint(path)
+            try:
+                sim = sim_config_from_dict(ck["config"]["sim"])
+            except (KeyError, TypeError, ConfigError) as e:
+                raise CheckpointError(f"checkpoint {path!r} has no usable simulator config: {e}") from e
+            found[path] = sim.replace(trace=base.trace, seed=base.seed, num_shards=base.num_shards)
+    if not found:
+        return base, []
+    (first, cfg), *rest = found.items()
+    for path, other in rest:
+        if other != cfg:
+            diff = [f.name for f in dataclasses.fields(SimConfig) if getattr(other, f.name) != getattr(cfg, f.name)]
+            raise CheckpointError(f"checkpoints {first!r} and {path!r} were trained on different platforms "
+                                  f"(sim fields {', '.join(diff)}): evaluate them separately")
+    changed = [f"{f.name}={getattr(cfg, f.name)!r}" for f in dataclasses.fields(SimConfig)
+               if getattr(cfg, f.name) != getattr(base, f.name)]
+    return cfg, changed
 
 
 def run_trace(cfg: SimConfig, policies: list[str], shards: int, ticks: Optional[int],
@@ -136,11 +172,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     else:
         traces = [(None, None)]
 
+    try:
+        platform, changed = checkpoint_platform(names)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if changed:
+        print(f"platform of the checkpoint (differs from the default in {', '.join(changed)})")
     all_results: dict = {}
     for path, cols in traces:
         try:
-            cfg = SimConfig(trace=TraceConfig(path=str(path) if path else None, columns=cols,
-                                              interval_s=a.interval_s))
+            cfg = platform.replace(trace=TraceConfig(path=str(path) if path else None, columns=cols,
+                                                     interval_s=a.interval_s))
             label = path.name if path else "bundled azure_functions2019_4class_1min.csv"
             results = run_trace(cfg, names, a.shards, a.ticks, not a.quiet and sys.stderr.isatty())
         except (TraceError, ConfigError, CheckpointError) as e:

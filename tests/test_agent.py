@@ -112,7 +112,7 @@ def test_smoke_training_writes_json_checkpoint_and_evaluates(tmp_path, capsys):
     assert trainer.learner.updates == res["updates"] and trainer.decisions > 0
 
 
-def test_checkpoint_errors_name_the_problem(tmp_path):
+def test_checkpoint_errors_name_the_problem(tmp_path, capsys):
     bad = tmp_path / "bad.pt"
     bad.write_bytes(b"not a checkpoint")
     with pytest.raises(CheckpointError, match="corrupt or not a checkpoint"):
@@ -132,7 +132,16 @@ def test_checkpoint_errors_name_the_problem(tmp_path):
         load_policy(ck, SimConfig())
     with pytest.raises(CheckpointError, match="trained with network"):
         train.LocalTrainer(train.PRESETS["smoke"]).resume(ck)
-    assert evaluate.main(["--policy", f"checkpoint:{ck}", "--quiet"]) == 2
+    # launch.evaluate scores a checkpoint on the platform it was trained for (here per-class
+    # capacity), not on the default one ...
+    capsys.readouterr()
+    assert evaluate.main(["--policy", f"checkpoint:{ck}", "--ticks", "4", "--shards", "1", "--quiet"]) == 0
+    assert "differs from the default in per_class_capacity=True" in capsys.readouterr().out
+    # ... and does not put checkpoints of different platforms in one table.
+    smoke_ck = tmp_path / "smoke.pt"
+    train.LocalTrainer(train.PRESETS["smoke"]).checkpoint(smoke_ck)
+    assert evaluate.main(["--policy", f"checkpoint:{ck},checkpoint:{smoke_ck}", "--quiet"]) == 2
+    assert "trained on different platforms (sim fields per_class_capacity)" in capsys.readouterr().err
 
 
 def test_train_config_checks():
