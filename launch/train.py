@@ -33,11 +33,15 @@ from launch._io import save_figure, write_json
 PRESETS = {
     # The README's main job: ~9 minutes of learning on 2 cores, then the full evaluation.
     # A compact network: on 2 CPU cores the learner's update rate, not data, is the limit.
-    # A decision every 30 ticks (2 updates per decision keep the learner busy): see README,
-    # "Why the learner preferred too little capacity".
-    "default": TrainConfig(net=NetConfig.for_sim(SimConfig(), macro_hidden=64, micro_channels=16, z_dim=128,
+    # A decision every 30 ticks (2 updates per decision keep the learner busy); capacity tiers
+    # 1.8-2.4 (finer steps where the reward / SLO trade-off turns), Huber delta 4 and a
+    # training-only SLO penalty of 150 per broken class-window: see README, "Why the learner
+    # preferred too little capacity".
+    "default": TrainConfig(sim=SimConfig(num_shards=64, seed=1, headroom_min=1.8, headroom_max=2.4),
+                           net=NetConfig.for_sim(SimConfig(), macro_hidden=64, micro_channels=16, z_dim=128,
                                                  head_hidden=64),
-                           agent=AgentConfig(lr=3e-4, decision_ticks=30, updates_per_decision=2.0)),
+                           agent=AgentConfig(lr=3e-4, decision_ticks=30, updates_per_decision=2.0, huber_delta=4.0,
+                                             slo_penalty=150.0)),
     # For tests: seconds, not minutes.
     "smoke": TrainConfig(
         sim=SimConfig(num_shards=8, seed=1),
