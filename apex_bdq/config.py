@@ -250,7 +250,7 @@ class AgentConfig:
     reward_scale: float = 0.1
     """Rewards are multiplied by this before learning: the SLO credit (~-30 per broken
     class-window in simulator units) then sits within the Huber loss's quadratic zone
-    instead of being clipped to a unit gradient."""
+    instead of being clipped to a unit gradient (with huber_delta >= ~3)."""
     slo_penalty: float = 0.0
     """Training-only cost per class-window that breaks its SLO, in simulator reward units,
     on top of the SLA credit the reward already charges (~30 per class-window): the
@@ -260,6 +260,10 @@ class AgentConfig:
     grad_clip: float = 10.0
     """Max global gradient norm."""
     huber_delta: float = 1.0
+    """Huber loss threshold on TD errors (in scaled reward units). Errors beyond it get a unit
+    gradient, which turns the critic's estimate towards the median of the return: a rare SLA
+    credit or SLO penalty then barely moves it. launch.train's default preset uses 4 (README,
+    "Why the learner preferred too little capacity", point 8)."""
     eps_base: float = 0.4
     """Ape-X exploration ladder: shard i explores with eps_base^(1 + eps_alpha i/(S-1))."""
     eps_alpha: float = 7.0
