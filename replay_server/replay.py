@@ -315,7 +315,9 @@ class PrioritizedReplay:
             return 0
         k = self.tree._kernels()
         if k is not None:  # CPU: checks, generation test, leaves, ancestors, max in one C++ call
-            pr = priorities if priorities.dtype in (torch.float32, torch.float64) else priorities.double()
+            pr = priorities.to(self.device)  # e.g. from a learner on a GPU
+            if pr.dtype not in (torch.float32, torch.float64):
+                pr = pr.double()
             with self.lock:
                 applied, status, pos = k.replay_update(
                     self.tree.levels, self.tree.fanout, self.generation, idx.long().contiguous(),

@@ -258,6 +258,12 @@ def test_cpp_sample_and_update_equal_the_tensor_path():
             torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
         assert float(fast._max_p) == float(ref._max_p)
     assert fast.sampled == ref.sampled == 5 * 257
+    # Priorities of another dtype (here float16 and int64) are converted, as the tensor path does.
+    for pr in (torch.full((257,), 2.5, dtype=torch.float16), torch.full((257,), 3, dtype=torch.int64)):
+        s_ = fast.sample(257)
+        assert fast.update_priorities(s_.indices, s_.generations, pr) == 257
+        torch.testing.assert_close(fast.tree.leaves[s_.indices], torch.full((257,), (float(pr[0]) + fast.eps) ** 0.6,
+                                                                            dtype=torch.float64))
     # Bad input through the C++ path: refused with the reason, nothing written.
     before = [t.clone() for t in fast.tree.levels]
     with pytest.raises(ReplayError, match=r"indices must be in \[0, 300\), got 0\.\.300"):
