@@ -17,13 +17,12 @@ platforms are refused together.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 import time
 from pathlib import Path
 from typing import Optional
-
-import dataclasses
 
 from apex_bdq.checkpoint import CheckpointError, load_checkpoint
 from apex_bdq.config import ConfigError, SimConfig, TraceConfig, sim_config_from_dict
