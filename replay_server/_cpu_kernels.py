@@ -163,6 +163,26 @@ replay_sample(std::vector<torch::Tensor> levels, torch::Tensor uniform, int64_t 
   return {idx, p, w, fields, gens, bad};
 }
 
+// Recompute the ancestors of the changed leaves `node` level by level for the whole batch
+// (a parent from its children, never patched by deltas), prefetching a few blocks ahead.
+// A leaf given twice is recomputed twice: the sums stay exact. `node` is consumed.
+static void refresh_ancestors(const std::vector<torch::Tensor>& levels, int64_t fanout, std::vector<int64_t>& node) {
+  const int64_t A = (int64_t)node.size(), L = (int64_t)levels.size();
+  for (int64_t l = 1; l < L; ++l) {
+    const double* below = levels[l - 1].data_ptr<double>();
+    double* above = levels[l].data_ptr<double>();
+    for (int64_t a = 0; a < A; ++a) {
+      if (a + 8 < A) __builtin_prefetch(below + (node[a + 8] / fanout) * fanout);
+      const int64_t parent = node[a] / fanout;
+      const double* c = below + parent * fanout;
+      double s = 0;
+      for (int64_t j = 0; j < fanout; ++j) s += c[j];
+      above[parent] = s;
+      node[a] = parent;
+    }
+  }
+}
+
 // Priority update in one call. Checks every index and priority before writing anything;
 // returns (applied, status, position): status 1 = index out of range, 2 = priority not finite
 // or negative (position = the first offender), 0 = done. Entries whose slot's generation
@@ -200,20 +220,8 @@ std::tuple<int64_t, int64_t, int64_t> replay_update(std::vector<torch::Tensor> l
     if (pr[m] > mx) mx = pr[m];
     node.push_back(ix[m]);
   }
-  const int64_t A = (int64_t)node.size(), L = (int64_t)levels.size();
-  for (int64_t l = 1; l < L; ++l) {
-    const double* below = levels[l - 1].data_ptr<double>();
-    double* above = levels[l].data_ptr<double>();
-    for (int64_t a = 0; a < A; ++a) {
-      if (a + 8 < A) __builtin_prefetch(below + (node[a + 8] / fanout) * fanout);
-      const int64_t parent = node[a] / fanout;
-      const double* c = below + parent * fanout;
-      double s = 0;
-      for (int64_t j = 0; j < fanout; ++j) s += c[j];
-      above[parent] = s;
-      node[a] = parent;
-    }
-  }
+  const int64_t A = (int64_t)node.size();
+  refresh_ancestors(levels, fanout, node);
   if (A) {
     double* mp = max_p.data_ptr<double>();
     if (mx > *mp) *mp = mx;
@@ -225,23 +233,13 @@ void tree_update(std::vector<torch::Tensor> levels, torch::Tensor idx, torch::Te
   const int64_t M = idx.size(0);
   const int64_t* ix = idx.data_ptr<int64_t>();
   const double* v = values.data_ptr<double>();
-  const int64_t L = (int64_t)levels.size();
-  std::vector<double*> lv(L);
-  for (int64_t l = 0; l < L; ++l) lv[l] = levels[l].data_ptr<double>();
   const int64_t n0 = levels[0].size(0);
   TORCH_CHECK(values.size(0) == M, "tree_update: ", M, " indices but ", values.size(0), " values");
   for (int64_t m = 0; m < M; ++m) TORCH_CHECK(ix[m] >= 0 && ix[m] < n0, "tree_update: leaf ", ix[m], " out of range");
-  for (int64_t m = 0; m < M; ++m) lv[0][ix[m]] = v[m];
-  for (int64_t m = 0; m < M; ++m) {
-    int64_t node = ix[m];
-    for (int64_t l = 1; l < L; ++l) {
-      node /= fanout;
-      const double* c = lv[l - 1] + node * fanout;
-      double s = 0;
-      for (int64_t j = 0; j < fanout; ++j) s += c[j];
-      lv[l][node] = s;
-    }
-  }
+  double* leaves = levels[0].data_ptr<double>();
+  for (int64_t m = 0; m < M; ++m) leaves[ix[m]] = v[m];
+  std::vector<int64_t> node(ix, ix + M);
+  refresh_ancestors(levels, fanout, node);
 }
 
 // The calls release the GIL (the learner samples from a prefetch thread while its main
@@ -272,7 +270,7 @@ def kernels():
         if _module is None and not _failed:
             try:
                 from torch.utils.cpp_extension import load_inline
-                _module = load_inline(name="apex_bdq_replay_v7", cpp_sources=[_SRC], extra_cflags=["-O3"],
+                _module = load_inline(name="apex_bdq_replay_v8", cpp_sources=[_SRC], extra_cflags=["-O3"],
                                       verbose=False)
             except Exception as e:  # no compiler, no ninja, ...: fall back to tensor ops
                 log.warning("sum tree C++ kernels unavailable, using tensor operations on CPU: %s", e)
