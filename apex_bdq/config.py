@@ -8,6 +8,8 @@ value that was given.
 from __future__ import annotations
 
 import dataclasses
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -491,6 +493,38 @@ def train_config_from_dict(d: dict) -> TrainConfig:
     return TrainConfig(sim=sim, net=net, agent=agent, pref=PreferenceConfig(**pref), **d)
 
 
+def _parse_override(key: str, raw: str, hint: Any) -> Any:
+    """`raw` parsed as the declared type of the field `key` names: bool, int, float, str,
+    Optional[X] ("none" = None) or a tuple of them (comma separated, e.g. 1,10,1)."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args:
+        if raw.strip().lower() == "none":
+            return None
+        rest = [a for a in args if a is not type(None)]
+        hint = rest[0] if len(rest) == 1 else hint
+    if typing.get_origin(hint) is tuple:
+        elems = typing.get_args(hint)
+        parts = [x.strip() for x in raw.split(",")]
+        if len(elems) == 2 and elems[1] is Ellipsis:
+            elems = (elems[0],) * len(parts)
+        if len(parts) != len(elems):
+            raise ConfigError(f"override {key!r}: {raw!r} has {len(parts)} comma-separated values, the field "
+                              f"takes {len(elems)}")
+        return tuple(_parse_override(key, x, e) for x, e in zip(parts, elems))
+    try:
+        if hint is bool:
+            if raw.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(raw)
+            return raw.lower() in ("true", "1")
+        if hint in (int, float):
+            return hint(raw)
+        if hint is str:
+            return raw
+    except ValueError:
+        raise ConfigError(f"override {key!r}: {raw!r} is not a valid {hint.__name__}") from None
+    raise ConfigError(f"override {key!r}: a field of type {hint} cannot be set from the command line")
+
+
 def apply_overrides(cfg: TrainConfig, items: list[str]) -> TrainConfig:
     """Apply `section.key=value` overrides (sections: sim, agent, net, or none for the top
     level), parsing each value as the type of the field it replaces. Unknown keys and values
@@ -511,23 +545,7 @@ def apply_overrides(cfg: TrainConfig, items: list[str]) -> TrainConfig:
         if name not in names:
             raise ConfigError(f"override {key!r}: {type(target).__name__} has no field {name!r} "
                               f"(fields: {', '.join(sorted(names))})")
-        old = getattr(target, name)
-        try:
-            if isinstance(old, bool):
-                if raw.lower() not in ("true", "false", "1", "0"):
-                    raise ValueError(raw)
-                val = raw.lower() in ("true", "1")
-            elif isinstance(old, int):
-                val = int(raw)
-            elif isinstance(old, float):
-                val = float(raw)
-            elif isinstance(old, str) or old is None:
-                val = None if raw.lower() == "none" and old is None else raw
-            else:
-                raise ConfigError(f"override {key!r}: field of type {type(old).__name__} cannot be set from the "
-                                  "command line")
-        except ValueError:
-            raise ConfigError(f"override {key!r}: {raw!r} is not a valid {type(old).__name__}") from None
+        val = _parse_override(key, raw, typing.get_type_hints(type(target))[name])
         if section is None:
             cfg = dataclasses.replace(cfg, **{name: val})
         else:

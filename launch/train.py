@@ -360,7 +360,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "start fresh (a resubmitted job picks up where the last one stopped)"),
     ap.add_argument("--curve", help="write the learning-curve PNG here")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="override a config field, e.g. --set agent.lr=3e-4 --set sim.num_shards=32 (repeatable)")
+                    help="override a config field, e.g. --set agent.lr=3e-4 --set sim.num_shards=32 --set pref.oracle_weights=10,1,1 "
+                         "(repeatable; parsed as the field's type; 'none' for optional fields)")
     ap.add_argument("--quiet", action="store_true")
     g = ap.add_argument_group("distributed (Ray) options")
     g.add_argument("--address", help="an existing Ray cluster ('auto' inside `ray job submit`); default: start a "
