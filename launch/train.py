@@ -47,18 +47,22 @@ PRESETS = {
         sim=SimConfig(num_shards=8, seed=1),
         agent=AgentConfig(batch_size=32, replay_capacity=4_000, learning_starts=200, target_update=50,
                           beta_steps=500, decision_ticks=2),
-        minutes=0.25, max_env_ticks=150, eval_every_s=1e9, eval_ticks=60, eval_shards=2, final_eval_ticks=120),
+        minutes=0.25, max_env_ticks=150, eval_every_s=1e9, eval_ticks=60, eval_shards=2, final_eval_ticks=120,
+        final_eval_replicas=2),
 }
 
 
-def evaluate_against_hpa(net, cfg: TrainConfig, ticks: Optional[int], shards: int, hpa_cache: dict) -> dict:
-    """Greedy `net` and Kubernetes HPA on the held-out range (HPA, deterministic for a config,
-    is evaluated once per setting and cached in `hpa_cache`)."""
-    learned = evaluate_policy(GreedyPolicy(net, cfg.agent.decision_ticks), cfg.sim, shards=shards, ticks=ticks).metrics
+def evaluate_against_hpa(net, cfg: TrainConfig, ticks: Optional[int], shards: int, hpa_cache: dict,
+                         replicas: int = 1) -> dict:
+    """Greedy `net` and Kubernetes HPA on the held-out range, covered `replicas` times with
+    independent arrivals (HPA, deterministic for a config, is evaluated once per setting and
+    cached in `hpa_cache`)."""
+    learned = evaluate_policy(GreedyPolicy(net, cfg.agent.decision_ticks), cfg.sim, shards=shards, ticks=ticks,
+                              replicas=replicas).metrics
     net.train()
-    key = (ticks, shards)
+    key = (ticks, shards, replicas)
     if key not in hpa_cache:
-        hpa_cache[key] = evaluate_policy(HPA(), cfg.sim, shards=shards, ticks=ticks).metrics
+        hpa_cache[key] = evaluate_policy(HPA(), cfg.sim, shards=shards, ticks=ticks, replicas=replicas).metrics
     hpa = hpa_cache[key]
     return {"eval_reward": learned["reward"], "hpa_eval_reward": hpa["reward"],
             "slo_violation_rate": learned["slo_violation_rate"],
@@ -161,8 +165,8 @@ class LocalTrainer:
             self.last_loss = out["loss"]
             self.rollout.weights_changed()
 
-    def evaluate(self, ticks: Optional[int], shards: int) -> dict:
-        return evaluate_against_hpa(self.learner.net, self.cfg, ticks, shards, self._hpa_cache)
+    def evaluate(self, ticks: Optional[int], shards: int, replicas: int = 1) -> dict:
+        return evaluate_against_hpa(self.learner.net, self.cfg, ticks, shards, self._hpa_cache, replicas)
 
     def run(self, progress: bool = True, checkpoint: Optional[str] = None) -> dict:
         cfg = self.cfg
@@ -205,7 +209,7 @@ class LocalTrainer:
         if bar is not None:
             bar.close()
         train_s = time.perf_counter() - t0
-        final = self.evaluate(cfg.final_eval_ticks, cfg.eval_shards)
+        final = self.evaluate(cfg.final_eval_ticks, cfg.eval_shards, cfg.final_eval_replicas)
         self.history.append({"t_s": self.t_offset + train_s, "env_steps": self.rollout.env_steps, "updates": self.learner.updates,
                              "eval_reward": final["eval_reward"], "hpa_eval_reward": final["hpa_eval_reward"],
                              "slo_violation_rate": final["slo_violation_rate"],
@@ -302,7 +306,7 @@ def run_distributed(cfg: TrainConfig, a, spec) -> dict:
         if bar is not None:
             bar.close()
         run.shutdown()
-    final = evaluate_against_hpa(net, cfg, cfg.final_eval_ticks, cfg.eval_shards, hpa_cache)
+    final = evaluate_against_hpa(net, cfg, cfg.final_eval_ticks, cfg.eval_shards, hpa_cache, cfg.final_eval_replicas)
     st = out["status"]
     lr = st.get("learner") or {}
     history = run.history + [{"t_s": run.t_offset + out["train_seconds"], "env_steps": st["env_steps"],

@@ -219,7 +219,7 @@ def run_trial(config: dict) -> None:
         net, _ = run.current_policy_net()
     finally:
         run.shutdown()
-    final = evaluate_against_hpa(net, cfg, cfg.final_eval_ticks, cfg.eval_shards, hpa_cache)
+    final = evaluate_against_hpa(net, cfg, cfg.final_eval_ticks, cfg.eval_shards, hpa_cache, cfg.final_eval_replicas)
     st = out["status"]
     lr = st.get("learner") or {}
     ck_dir = work / "checkpoint"

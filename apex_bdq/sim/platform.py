@@ -79,6 +79,8 @@ class PlatformSim:
 
     split: "train" (random phase per shard at reset) or "eval" (phases evenly spaced over
     the held-out range, so S shards x range/S ticks cover it once).
+    eval_replicas: with split "eval", R copies of S/R evenly spaced phases (shard i starts at
+    phase i mod S/R): the held-out range is covered R times, each with its own arrivals.
     copy_obs: True returns fresh observation arrays; False returns the micro history as a
     view into the simulator's ring buffer, valid until the next `step` (the zero-copy path
     a trainer uses when it copies observations into replay itself, like gymnasium's
@@ -88,9 +90,13 @@ class PlatformSim:
     """
 
     def __init__(self, cfg: SimConfig = SimConfig(), split: str = "train",
-                 rates: Optional[TickRates] = None, copy_obs: bool = True) -> None:
+                 rates: Optional[TickRates] = None, copy_obs: bool = True, eval_replicas: int = 1) -> None:
         if split not in ("train", "eval"):
             raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+        if not (isinstance(eval_replicas, int) and eval_replicas >= 1 and cfg.num_shards % eval_replicas == 0):
+            raise ValueError(f"eval_replicas must be an int >= 1 dividing num_shards={cfg.num_shards}, "
+                             f"got {eval_replicas!r}")
+        self.eval_replicas = eval_replicas
         self.cfg = cfg
         self.split = split
         self.copy_obs = copy_obs
@@ -157,7 +163,8 @@ class PlatformSim:
         if self.split == "train":
             self.offset = lo + self.rng.integers(0, self.range_len, size=S)
         else:
-            self.offset = lo + (np.arange(S) * self.range_len) // S
+            phases = S // self.eval_replicas
+            self.offset = lo + ((np.arange(S) % phases) * self.range_len) // phases
         self.t = 0
         self._idx_t = -1
         lam = self.lam_table[self.offset]  # [S, K]
