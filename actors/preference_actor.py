@@ -241,6 +241,19 @@ class PreferenceActor:
         _, ex = batch_preference_loss(net.utilities, batch, next(net.parameters()).device)
         return float(ex["accuracy"])
 
+    def heldout_label_ceiling(self) -> float:
+        """What a perfect ranker scores on the held-out strict labels given: the share of them
+        the oracle's own rule (no random answers) agrees with, a tie under the rule counting
+        1/2. Random answers cap `heldout_accuracy` there, whatever the head learns."""
+        rng, hits = np.random.default_rng(0), []
+        for p in self.heldout:
+            a, b = self.ranked.get(p.a), self.ranked.get(p.b)
+            if p.label == 0.5 or a is None or b is None:
+                continue
+            rule = oracle_label(a, b, self.cfg.oracle_weights, 0.0, rng, tie_margin=self.cfg.oracle_tie_margin)
+            hits.append(0.5 if rule == 0.5 else float(rule == p.label))
+        return float(np.mean(hits)) if hits else float("nan")
+
     def pair_keys(self) -> list[tuple[str, str]]:
         """Every accepted pair (training and held out), as its order-free key."""
         return [p.key() for p in self.pairs + self.heldout]

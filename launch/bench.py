@@ -477,6 +477,34 @@ PREFERENCE_VARIANTS = {
 }
 
 
+def _overload_reference(net, cfg, decisions: int, seed: int) -> dict:
+    """How much overload is left to take away by steering exploration: on the training-range
+    simulator of the runs (its own arrival seed), the run's final greedy policy with no
+    exploration at all, and the most cautious constant action (top capacity tier, fastest
+    servers, middle priority and admission levels) with its reward."""
+    from actors.rollout import RolloutWorker
+    from apex_bdq.sim.platform import PlatformSim
+    S, n = cfg.sim.num_shards, cfg.sim.sub_actions
+    w = RolloutWorker(cfg.sim, cfg.agent, net, epsilons=np.zeros(S), seed=seed + 1000)
+    for _ in range(decisions):
+        w.step()
+    sim = PlatformSim(cfg.sim.replace(seed=seed + 1000))
+    sim.reset(seed=seed + 1000)
+    a = np.full((S, cfg.sim.num_branches), n // 2)
+    a[:, :cfg.sim.num_pools] = n - 1  # capacity branch(es)
+    a[:, -1] = n - 1  # speed
+    over, reward = 0, 0.0
+    for _ in range(decisions * cfg.agent.decision_ticks):
+        _, r, truncated, info = sim.step(a)
+        over += int((info["utilisation"] > cfg.pref.overload_utilisation).sum())
+        reward += float(r.sum())
+        if truncated:
+            sim.reset()
+    ticks = decisions * cfg.agent.decision_ticks * S
+    return {"greedy_overload_rate": w.overload_ticks / max(w.env_steps, 1),
+            "cautious_constant_overload_rate": over / ticks, "cautious_constant_reward": reward / ticks}
+
+
 def bench_preference(minutes: float, variants: list[str], extra: list[str], seed: int = 0) -> dict:
     """Local training runs of the default preset side by side, the same budget and seed, with
     and without oracle feedback: overload ticks during exploration (rollout shard-ticks above
@@ -501,23 +529,33 @@ def bench_preference(minutes: float, variants: list[str], extra: list[str], seed
         if tr.pref is not None:
             tr.pref.close()
         p = res["preference"] or {}
+        ref = _overload_reference(tr.learner.net, cfg, 400, seed)
         rows[name] = {"exploration_overload_rate": res["exploration_overload_rate"], "eval_reward": res["eval_reward"],
                       "slo_violation_rate": res["slo_violation_rate"], "hpa_eval_reward": res["hpa_eval_reward"],
                       "updates": res["updates"], "env_steps": res["env_steps"], "pairs": p.get("pairs"),
                       "heldout_pairs": p.get("heldout_pairs"), "heldout_pair_accuracy": p.get("heldout_pair_accuracy"),
-                      "heldout_pair_accuracy_noise_free": p.get("heldout_pair_accuracy_noise_free")}
-    print(f"\n{'variant':<14}{'overload':>10}{'eval reward':>13}{'SLO viol':>10}{'pairs':>7}{'held-out acc':>14}")
+                      "heldout_pair_accuracy_noise_free": p.get("heldout_pair_accuracy_noise_free"),
+                      "heldout_label_ceiling": p.get("heldout_label_ceiling"), **ref}
+    print(f"\n{'variant':<14}{'overload':>10}{'greedy only':>13}{'eval reward':>13}{'SLO viol':>10}{'pairs':>7}"
+          f"{'held-out acc':>14}")
     for name, r in rows.items():
         acc = r["heldout_pair_accuracy"]
-        print(f"{name:<14}{r['exploration_overload_rate']:>10.4f}{r['eval_reward']:>13.4f}{r['slo_violation_rate']:>10.4f}"
+        print(f"{name:<14}{r['exploration_overload_rate']:>10.4f}{r['greedy_overload_rate']:>13.4f}"
+              f"{r['eval_reward']:>13.4f}{r['slo_violation_rate']:>10.4f}"
               f"{r['pairs'] or 0:>7}{'' if acc is None else f'{acc:.3f}':>14}")
+    first = next(iter(rows.values()))
+    print(f"most cautious constant action (top capacity tier, fastest servers): overload "
+          f"{first['cautious_constant_overload_rate']:.4f}, reward {first['cautious_constant_reward']:.4f}")
     out = {"minutes_per_run": minutes, "variants": rows}
     if "without" in rows and "with" in rows:
         w, wo = rows["with"], rows["without"]
         out.update(violations_without=wo["exploration_overload_rate"], violations_with=w["exploration_overload_rate"],
                    eval_reward_without=wo["eval_reward"], eval_reward_with=w["eval_reward"],
                    heldout_pair_accuracy=w["heldout_pair_accuracy"],
-                   heldout_pair_accuracy_noise_free=w["heldout_pair_accuracy_noise_free"])
+                   heldout_pair_accuracy_noise_free=w["heldout_pair_accuracy_noise_free"],
+                   heldout_label_ceiling=w["heldout_label_ceiling"],
+                   greedy_overload_without=wo["greedy_overload_rate"],
+                   cautious_constant_overload=wo["cautious_constant_overload_rate"])
         drop = 1 - w["exploration_overload_rate"] / max(wo["exploration_overload_rate"], 1e-12)
         loss = 1 - w["eval_reward"] / wo["eval_reward"] if wo["eval_reward"] > 0 else float("nan")
         acc = w["heldout_pair_accuracy"]
@@ -526,7 +564,11 @@ def bench_preference(minutes: float, variants: list[str], extra: list[str], seed
               f"eval reward {-loss:+.1%} (target no worse than -5 %: {'met' if loss <= 0.05 else 'NOT met'}); "
               f"held-out pair accuracy {acc:.3f} against the labels given (target >= 0.90: "
               f"{'met' if acc >= 0.9 else 'NOT met'}), {w['heldout_pair_accuracy_noise_free'] or float('nan'):.3f} "
-              f"against the oracle's rule without its random answers")
+              f"against the oracle's rule without its random answers; a perfect ranker would score "
+              f"{w['heldout_label_ceiling'] or float('nan'):.3f} against the labels given")
+        print(f"overload of the 'without' run's greedy policy alone (no exploration): "
+              f"{wo['greedy_overload_rate']:.4f}; of the most cautious constant action: "
+              f"{wo['cautious_constant_overload_rate']:.4f} (what steering can take away lies above these)")
     return out
 
 

@@ -100,6 +100,10 @@ def test_smoke_training_writes_json_checkpoint_and_evaluates(tmp_path, capsys):
     for key in ("eval_reward", "hpa_eval_reward", "slo_violation_rate", "hpa_slo_violation_rate"):
         assert isinstance(res[key], float)
     assert res["updates"] > 0 and res["env_steps"] > 0 and curve.stat().st_size > 5000
+    # The final evaluation covers the range train.final_eval_replicas times (2 in the smoke
+    # preset), with a paired standard error of the violation-rate difference.
+    assert res["learned"]["replicas"] == res["hpa"]["replicas"] == 2 and res["learned"]["shards"] == 2 * 2
+    assert "slo_violation_rate_diff_se" in res
     # The checkpoint is a policy for the evaluate entry point.
     ev = tmp_path / "ev.json"
     assert evaluate.main(["--policy", f"checkpoint:{ck}", "--ticks", "30", "--shards", "2", "--json", str(ev),

@@ -30,6 +30,21 @@ def test_evaluate_writes_table_json_and_plot(tmp_path, capsys):
     assert "slo_violation_rate" in text and "hpa" in text and "static" in text
 
 
+def test_evaluate_replicas_give_per_copy_rates_and_a_paired_comparison(tmp_path, capsys):
+    out = tmp_path / "eval.json"
+    assert evaluate.main(["--policy", "hpa,static", "--ticks", "700", "--shards", "2", "--replicas", "3",
+                          "--json", str(out), "--quiet"]) == 0
+    res = json.loads(out.read_text())
+    for m in res.values():
+        per = m["slo_violation_rate_per_replica"]
+        assert m["replicas"] == 3 and m["shards"] == 6 and len(per) == 3
+        assert m["slo_violation_rate"] == pytest.approx(sum(per) / 3)
+    text = capsys.readouterr().out
+    assert "3 copies with their own arrivals" in text and "vs hpa" in text
+    with pytest.raises(SystemExit):
+        evaluate.main(["--policy", "hpa", "--replicas", "0"])
+
+
 def test_evaluate_any_csv_and_clear_errors(tmp_path, capsys):
     p = tmp_path / "web_1min.csv"
     p.write_text("minute,hits,bytes\n" + "\n".join(f"{i},{100 + (i % 60)},{i}" for i in range(600)) + "\n")

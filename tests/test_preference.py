@@ -154,6 +154,13 @@ def test_noise_free_held_out_accuracy_ignores_the_labellers_mistakes(tmp_path):
     net = Learner(NET, AgentConfig(), seed=0, pref_beta=1.0).net
     given, true = pa.heldout_accuracy(net), pa.heldout_accuracy(net, noise_free=True)
     assert 0.0 <= given <= 1.0 and given + true == pytest.approx(1.0)
+    assert pa.heldout_label_ceiling() == 0.0  # the rule disagrees with every label given
+    c, d = make_segment(rng, overload=0.5), make_segment(rng, overload=0.5)  # a tie under the rule
+    e, f = make_segment(rng, overload=0.0), make_segment(rng, overload=0.9)
+    pa.add_segments([c, d, e, f])
+    pa.rank(c.id, d.id, 1.0, source="human", heldout=True)
+    pa.rank(e.id, f.id, 1.0, source="human", heldout=True)  # right
+    assert pa.heldout_label_ceiling() == pytest.approx((0.5 + 1.0) / 23)
     pa.close()
 
 
