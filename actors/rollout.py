@@ -108,6 +108,7 @@ class RolloutWorker:
         # priorities without a second forward pass). None = compute before the next decision.
         self._q: Optional[np.ndarray] = None
         self._u: Optional[np.ndarray] = None
+        self.slo_penalty = agent_cfg.slo_penalty  # training-only cost per broken class-window (a trainer may adapt it)
         self.env_steps = 0
         self.episode_reward = np.zeros(sim_cfg.num_shards)
         self.finished_rewards: list[float] = []
@@ -140,7 +141,7 @@ class RolloutWorker:
         k, g = self.cfg.decision_ticks, self.cfg.gamma
         block = np.zeros(self.sim.S)  # discounted reward of the held action
         truncated = False
-        lam = self.cfg.slo_penalty
+        lam = self.slo_penalty
         for i in range(k):
             nxt, reward, truncated, info = self.sim.step(actions)
             self.env_steps += self.sim.S

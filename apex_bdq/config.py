@@ -259,6 +259,17 @@ class AgentConfig:
     multiplier of a Lagrangian relaxation of "maximise reward subject to an SLO violation
     rate" (constrained RL, Altman 1999; Tessler et al., ICLR 2019). Evaluation always
     reports the platform's own reward. 0 = train on the reward as is."""
+    slo_target_vs_hpa: Optional[float] = None
+    """Adapt `slo_penalty` while training (dual ascent on the Lagrange multiplier; the
+    constraint is "SLO violation rate <= this multiple of Kubernetes HPA's"): every
+    `train.constraint_every_s` the greedy policy and HPA are run on the training range (the
+    held-out range stays unseen) and log(penalty) moves by `slo_penalty_step` x the relative
+    excess (v - target) / target, clipped to +-1 and to `slo_penalty_bounds` x the initial
+    penalty. None = a fixed penalty. The local trainer only."""
+    slo_penalty_step: float = 0.3
+    """Step of that update on log(penalty) per check."""
+    slo_penalty_bounds: tuple[float, float] = (0.25, 4.0)
+    """Lowest and highest adapted penalty, as multiples of the initial `slo_penalty`."""
     grad_clip: float = 10.0
     """Max global gradient norm."""
     huber_delta: float = 1.0
@@ -293,6 +304,15 @@ class AgentConfig:
         _check(self.target_update >= 1, f"agent.target_update must be >= 1, got {self.target_update!r}")
         _check(self.reward_scale > 0, f"agent.reward_scale must be > 0, got {self.reward_scale!r}")
         _check(self.slo_penalty >= 0, f"agent.slo_penalty must be >= 0, got {self.slo_penalty!r}")
+        if self.slo_target_vs_hpa is not None:
+            _check(self.slo_target_vs_hpa > 0,
+                   f"agent.slo_target_vs_hpa must be > 0 (or none), got {self.slo_target_vs_hpa!r}")
+            _check(self.slo_penalty > 0, "agent.slo_target_vs_hpa adapts agent.slo_penalty multiplicatively: "
+                                         f"give it an initial value > 0 (got {self.slo_penalty!r})")
+        _check(self.slo_penalty_step > 0, f"agent.slo_penalty_step must be > 0, got {self.slo_penalty_step!r}")
+        lo_hi = tuple(self.slo_penalty_bounds)
+        _check(len(lo_hi) == 2 and 0 < lo_hi[0] <= 1 <= lo_hi[1],
+               f"agent.slo_penalty_bounds must be (low <= 1, high >= 1) with low > 0, got {self.slo_penalty_bounds!r}")
         _check(0 < self.eps_base <= 1, f"agent.eps_base must be in (0, 1], got {self.eps_base!r}")
         _check(self.explore_hold_mu == 0 or self.explore_hold_mu > 1,
                f"agent.explore_hold_mu must be 0 (off) or > 1 (a Zipf exponent), got {self.explore_hold_mu!r}")
@@ -466,6 +486,13 @@ class TrainConfig:
     arrivals (64 x 1,440 settled class-windows on the bundled trace, a few seconds on 2 cores:
     one copy cannot tell violation rates 5 % apart; the learned policy and HPA meet the same
     arrivals copy by copy, so their difference gets a paired standard error)."""
+    constraint_every_s: float = 45.0
+    """Seconds between the training-range checks that adapt the SLO penalty (with
+    agent.slo_target_vs_hpa)."""
+    constraint_shards: int = 32
+    constraint_replicas: int = 2
+    """Those checks cover the training range constraint_replicas times with
+    constraint_shards shards per copy (about 2 s with the default preset on 2 cores)."""
     seed: int = 0
     torch_threads: int = 2
 
@@ -473,6 +500,8 @@ class TrainConfig:
         _check(self.minutes > 0, f"train.minutes must be > 0, got {self.minutes!r}")
         _check(self.eval_ticks >= 1 and self.eval_shards >= 1, "train.eval_ticks and eval_shards must be >= 1")
         _check(self.final_eval_replicas >= 1, f"train.final_eval_replicas must be >= 1, got {self.final_eval_replicas!r}")
+        _check(self.constraint_every_s > 0 and self.constraint_shards >= 1 and self.constraint_replicas >= 1,
+               "train.constraint_every_s must be > 0 and constraint_shards / constraint_replicas >= 1")
         _check(self.sim.episode_ticks % self.agent.decision_ticks == 0,
                f"train: episode length {self.sim.episode_ticks} ticks is not a multiple of "
                f"agent.decision_ticks={self.agent.decision_ticks} (the last held block would be cut short)")
@@ -492,7 +521,10 @@ def train_config_from_dict(d: dict) -> TrainConfig:
     d = dict(d)
     sim = sim_config_from_dict(d.pop("sim"))
     net = NetConfig(**d.pop("net"))
-    agent = AgentConfig(**d.pop("agent"))
+    agent = dict(d.pop("agent"))
+    if "slo_penalty_bounds" in agent:
+        agent["slo_penalty_bounds"] = tuple(agent["slo_penalty_bounds"])
+    agent = AgentConfig(**agent)
     pref = dict(d.pop("pref", {}) or {})
     if "oracle_weights" in pref:
         pref["oracle_weights"] = tuple(pref["oracle_weights"])

@@ -27,23 +27,27 @@ class EvalResult:
     series: dict = field(default_factory=dict)  # shard 0 over time, for plots
 
 
-def eval_config(cfg: SimConfig, shards: int = 8) -> tuple[SimConfig, int]:
+def eval_config(cfg: SimConfig, shards: int = 8, split: str = "eval") -> tuple[SimConfig, int]:
     """The evaluation config (S shards, no truncation) and ticks per shard."""
-    probe = PlatformSim(cfg.replace(num_shards=1), split="eval")
+    probe = PlatformSim(cfg.replace(num_shards=1), split=split, phases="even")
     ticks = max(1, probe.range_len // shards)
     return cfg.replace(num_shards=shards, episode_s=(ticks + 1) * cfg.tick_s), ticks
 
 
 def evaluate_policy(policy, cfg: SimConfig, shards: int = 8, ticks: Optional[int] = None, seed: int = 12345,
-                    progress: Optional[Callable[[int, int], None]] = None, replicas: int = 1) -> EvalResult:
+                    progress: Optional[Callable[[int, int], None]] = None, replicas: int = 1,
+                    split: str = "eval") -> EvalResult:
     """Run `policy` (reset(sim), act(sim, obs) -> (actions, capacity_target|None)) on the
     evaluation range. `ticks` shortens the run (default: cover the whole range); `replicas`
-    covers it that many times with independent arrivals."""
+    covers it that many times with independent arrivals. split="train" runs the same
+    yardstick on the training range instead (what a trainer may look at while it learns:
+    the held-out range stays unseen)."""
     if not (isinstance(replicas, int) and replicas >= 1):
         raise ValueError(f"replicas must be an int >= 1, got {replicas!r}")
-    ecfg, full = eval_config(cfg, shards)
+    ecfg, full = eval_config(cfg, shards, split)
     ticks = full if ticks is None else min(ticks, full)
-    sim = PlatformSim(ecfg.replace(seed=seed, num_shards=shards * replicas), split="eval", eval_replicas=replicas)
+    sim = PlatformSim(ecfg.replace(seed=seed, num_shards=shards * replicas), split=split, eval_replicas=replicas,
+                      phases="even")
     obs = sim.reset(seed=seed)
     policy.reset(sim)
     K = sim.K

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import torch
 
 from apex_bdq.checkpoint import (CheckpointError, GreedyPolicy, config_to_dict, load_checkpoint, save_checkpoint)
@@ -116,12 +117,15 @@ class LocalTrainer:
         self.t_offset = 0.0  # training time before a resume, so the curve keeps going forward
         self.last_loss = float("nan")
         self._hpa_cache: dict = {}
+        self.constraint_log: list[dict] = []  # one row per SLO-penalty update (agent.slo_target_vs_hpa)
+        self._hpa_train_violation: Optional[float] = None
 
     # -- state ---------------------------------------------------------------------------
     def checkpoint(self, path: str | Path) -> None:
         save_checkpoint(path, config_to_dict(self.cfg), self.learner.state_dict(),
                         {"decisions": self.decisions, "env_steps": self.rollout.env_steps, "updates": self.learner.updates,
-                         "history": self.history, "feedback_log": self.pref.log.path if self.pref is not None else None})
+                         "history": self.history, "feedback_log": self.pref.log.path if self.pref is not None else None,
+                         "slo_penalty": self.rollout.slo_penalty, "constraint_log": self.constraint_log})
 
     def resume(self, path: str | Path) -> None:
         """Warm start: weights, target, optimiser (its learning rate included), counters and
@@ -137,6 +141,9 @@ class LocalTrainer:
             c = ck["counters"]
             self.decisions, self.rollout.env_steps = int(c["decisions"]), int(c["env_steps"])
             self.history = list(c["history"])
+            if self.cfg.agent.slo_target_vs_hpa is not None and c.get("slo_penalty") is not None:
+                self.rollout.slo_penalty = float(c["slo_penalty"])  # the adapted multiplier carries on
+                self.constraint_log = list(c.get("constraint_log") or [])
         except (KeyError, TypeError, ValueError, RuntimeError) as e:
             if isinstance(e, CheckpointError):
                 raise
@@ -174,11 +181,37 @@ class LocalTrainer:
     def evaluate(self, ticks: Optional[int], shards: int, replicas: int = 1) -> dict:
         return evaluate_against_hpa(self.learner.net, self.cfg, ticks, shards, self._hpa_cache, replicas)
 
+    def adapt_slo_penalty(self, t_s: float) -> dict:
+        """One dual-ascent step on the SLO penalty (agent.slo_target_vs_hpa): the greedy
+        policy's violation rate v on the training range against target = ratio x HPA's there;
+        log(penalty) += step x clip((v - target) / target, -1, 1), kept within the bounds.
+        Rewards already in replay keep the penalty they were collected with; at ~1.5 minutes
+        of replay turnover and a step of at most e^0.3 per check that lag is small."""
+        a, c = self.cfg.agent, self.cfg
+        if self._hpa_train_violation is None:
+            self._hpa_train_violation = evaluate_policy(HPA(), c.sim, shards=c.constraint_shards,
+                                                        replicas=c.constraint_replicas,
+                                                        split="train").metrics["slo_violation_rate"]
+        v = evaluate_policy(GreedyPolicy(self.learner.net, a.decision_ticks), c.sim, shards=c.constraint_shards,
+                            replicas=c.constraint_replicas, split="train").metrics["slo_violation_rate"]
+        self.learner.net.train()
+        target = a.slo_target_vs_hpa * self._hpa_train_violation
+        err = float(np.clip((v - target) / max(target, 1e-9), -1.0, 1.0))
+        lo, hi = (a.slo_penalty * b for b in a.slo_penalty_bounds)
+        lam = float(np.clip(self.rollout.slo_penalty * math.exp(a.slo_penalty_step * err), lo, hi))
+        row = {"t_s": round(self.t_offset + t_s, 3), "updates": self.learner.updates, "train_violation": v,
+               "target": target, "slo_penalty_before": self.rollout.slo_penalty, "slo_penalty": lam}
+        self.rollout.slo_penalty = lam
+        self.constraint_log.append(row)
+        return row
+
     def run(self, progress: bool = True, checkpoint: Optional[str] = None) -> dict:
         cfg = self.cfg
         t0 = time.perf_counter()
         budget = cfg.minutes * 60.0
         next_eval = cfg.eval_every_s
+        adaptive = cfg.agent.slo_target_vs_hpa is not None
+        next_constraint = cfg.constraint_every_s
         bar = None
         if progress:
             from tqdm import tqdm
@@ -203,12 +236,16 @@ class LocalTrainer:
                 next_eval = (time.perf_counter() - t0) + cfg.eval_every_s
                 if checkpoint:
                     self.checkpoint(checkpoint)
+            if adaptive and now >= next_constraint and self.replay.size >= cfg.agent.learning_starts:
+                self.adapt_slo_penalty(now)
+                next_constraint = (time.perf_counter() - t0) + cfg.constraint_every_s
             if bar is not None and time.perf_counter() - last_t >= 2.0:
                 t = time.perf_counter()
                 sps = (self.rollout.env_steps - last_steps) / (t - last_t)
                 ups = (self.learner.updates - last_upd) / (t - last_t)
                 bar.set_postfix_str(f"env {sps:,.0f}/s upd {ups:,.1f}/s td {self.last_loss:.3f} "
-                                    f"replay {self.replay.size:,} eval {eval_r:.3f}")
+                                    f"replay {self.replay.size:,} eval {eval_r:.3f}"
+                                    + (f" slo-penalty {self.rollout.slo_penalty:.0f}" if adaptive else ""))
                 bar.update(int(t - t0) - shown)
                 shown = int(t - t0)
                 last_t, last_steps, last_upd = t, self.rollout.env_steps, self.learner.updates
@@ -229,7 +266,8 @@ class LocalTrainer:
                 "env_steps_per_s": self.rollout.env_steps / max(train_s, 1e-9),
                 "updates_per_s": self.learner.updates / max(train_s, 1e-9),
                 "exploration_overload_rate": self.rollout.overload_ticks / max(self.rollout.env_steps, 1),
-                "preference": self.preference_stats(), "history": self.history}
+                "preference": self.preference_stats(), "history": self.history,
+                "slo_penalty_final": self.rollout.slo_penalty, "constraint_log": self.constraint_log}
 
     def preference_stats(self) -> Optional[dict]:
         if self.pref is None:
@@ -277,6 +315,10 @@ def _print_final(res: dict, checkpoint: Optional[str]) -> None:
 def run_distributed(cfg: TrainConfig, a, spec) -> dict:
     """The Ape-X run on Ray (launch/distributed.py) with progress and the final evaluation."""
     from launch.distributed import ApexRun, annotate_checkpoint, local_ray_init
+    if cfg.agent.slo_target_vs_hpa is not None:
+        raise ConfigError("agent.slo_target_vs_hpa (an SLO penalty adapted while training) is built into the local "
+                          "trainer only: run with --local, or give the distributed run a fixed agent.slo_penalty "
+                          "(--set agent.slo_target_vs_hpa=none)")
     resume = load_checkpoint(a.resume) if a.resume else None
     if resume is not None:
         saved = train_config_from_dict(resume["config"])

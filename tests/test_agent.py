@@ -184,3 +184,62 @@ def test_one_step_returns_cross_an_episode_end():
     got = [w.step() for _ in range(6)]  # 4 decisions per episode: crosses one end
     assert all(t is not None and len(t) == 3 for t in got)
     assert len(w.finished_rewards) == 3 and w.env_steps == 12 * 3
+
+
+def test_slo_penalty_is_a_lagrange_multiplier_adapted_on_the_training_range(tmp_path):
+    """agent.slo_target_vs_hpa: a violation rate above target x HPA's (on the training range)
+    raises the penalty the rollout charges, one below lowers it, within the bounds; the
+    adapted value is what the rewards in replay carry, and a checkpoint keeps it."""
+    base = train.PRESETS["smoke"]
+    cfg = dataclasses.replace(base, agent=dataclasses.replace(base.agent, slo_penalty=50.0, slo_target_vs_hpa=0.5),
+                              constraint_shards=32, constraint_replicas=1)
+    tr = train.LocalTrainer(cfg)
+    for _ in range(60):
+        tr.train_tick()
+    row = tr.adapt_slo_penalty(1.0)
+    # An untrained network breaks SLOs far above half of HPA's rate: the step is clipped to +1.
+    assert row["train_violation"] > row["target"] > 0
+    assert row["slo_penalty"] == pytest.approx(50.0 * np.exp(0.3)) == tr.rollout.slo_penalty
+    # The rewards the rollout now produces carry the new penalty: same seed and actions,
+    # the difference per decision is exactly the extra penalty on the broken class-windows.
+    a, sim = cfg.agent, cfg.sim
+    w1 = RolloutWorker(sim, a, tr.learner.net, seed=3)
+    w2 = RolloutWorker(sim, a, tr.learner.net, seed=3)
+    w2.slo_penalty = 80.0
+    broke = False
+    for _ in range(40):  # smoke preset: 2 ticks per decision, SLO windows settle every few ticks
+        t1, t2 = w1.step(), w2.step()
+        assert (t1 is None) == (t2 is None)
+        if t1 is not None:
+            np.testing.assert_array_equal(t1.action, t2.action)
+            assert (t2.reward <= t1.reward + 1e-5).all()
+            broke |= bool((t2.reward < t1.reward - 1e-3).any())
+    assert broke
+    # Below target the penalty falls (67.5 x e^-1 = 24.8), but not below 0.9 x the initial 50.
+    tr.cfg = dataclasses.replace(cfg, agent=dataclasses.replace(cfg.agent, slo_target_vs_hpa=1e6,
+                                                                  slo_penalty_step=1.0, slo_penalty_bounds=(0.9, 2.0)))
+    row = tr.adapt_slo_penalty(2.0)
+    assert row["slo_penalty_before"] == pytest.approx(50.0 * np.exp(0.3))
+    assert row["slo_penalty"] == pytest.approx(45.0) and len(tr.constraint_log) == 2
+    ck = tmp_path / "ck.pt"
+    tr.checkpoint(ck)
+    again = train.LocalTrainer(cfg)
+    again.resume(ck)
+    assert again.rollout.slo_penalty == pytest.approx(45.0) and len(again.constraint_log) == 2
+
+
+def test_adaptive_slo_penalty_config_checks():
+    with pytest.raises(ConfigError, match="give it an initial value > 0"):
+        AgentConfig(slo_target_vs_hpa=1.0)
+    with pytest.raises(ConfigError, match="slo_target_vs_hpa must be > 0"):
+        AgentConfig(slo_penalty=10.0, slo_target_vs_hpa=0.0)
+    with pytest.raises(ConfigError, match="slo_penalty_bounds must be"):
+        AgentConfig(slo_penalty=10.0, slo_penalty_bounds=(2.0, 4.0))
+    with pytest.raises(ConfigError, match="constraint_every_s must be > 0"):
+        TrainConfig(constraint_every_s=0)
+    # The Ape-X path keeps a fixed penalty and says so before it starts anything.
+    cfg = dataclasses.replace(train.PRESETS["smoke"], agent=AgentConfig(
+        batch_size=32, replay_capacity=4_000, learning_starts=200, decision_ticks=2, slo_penalty=10.0,
+        slo_target_vs_hpa=0.9))
+    with pytest.raises(ConfigError, match="local trainer only: run with --local"):
+        train.run_distributed(cfg, None, None)

@@ -2,9 +2,11 @@
 
 import math
 
+import numpy as np
 import pytest
 
 from apex_bdq.config import SimConfig, TraceConfig
+from apex_bdq.evaluation import evaluate_policy
 from apex_bdq.sim.baselines import HPA, QueueThreshold, RandomPolicy, StaticPeak, TargetTracking, make_baseline
 from apex_bdq.sim.platform import PlatformSim
 
@@ -152,3 +154,21 @@ def test_evaluation_replicas_cover_the_range_again_with_their_own_arrivals():
         PlatformSim(SimConfig(num_shards=6), split="eval", eval_replicas=4)
     with pytest.raises(ValueError, match="replicas must be an int >= 1"):
         evaluate_policy(HPA(), quiet, shards=2, ticks=10, replicas=0)
+
+
+def test_training_range_yardstick_with_even_phases():
+    """split="train" with even phases covers the training range once per copy (what the
+    trainer checks its SLO constraint on, leaving the held-out range unseen)."""
+    cfg = SimConfig(num_shards=4)
+    tr = PlatformSim(cfg, split="train", phases="even")
+    lo, hi = tr.rates.train
+    assert sorted(tr.offset.tolist()) == [lo + i * (hi - lo) // 4 for i in range(4)]
+    ev = PlatformSim(cfg, split="eval")
+    assert (ev.offset >= ev.rates.eval[0]).all() and not np.isin(tr.offset, ev.offset).any()
+    m = evaluate_policy(HPA(), cfg, shards=4, ticks=40, split="train").metrics
+    e = evaluate_policy(HPA(), cfg, shards=4, ticks=40).metrics
+    assert m["ticks"] == e["ticks"] == 40 and m["reward"] != e["reward"]
+    with pytest.raises(ValueError, match="phases must be 'random' or 'even'"):
+        PlatformSim(cfg, phases="spread")
+    with pytest.raises(ValueError, match=r"eval_replicas=2 needs evenly spaced phases"):
+        PlatformSim(cfg, split="train", eval_replicas=2)

@@ -77,10 +77,12 @@ def make_rates(cfg: SimConfig) -> TickRates:
 class PlatformSim:
     """Vectorised simulator; see the module docstring for the dynamics.
 
-    split: "train" (random phase per shard at reset) or "eval" (phases evenly spaced over
-    the held-out range, so S shards x range/S ticks cover it once).
-    eval_replicas: with split "eval", R copies of S/R evenly spaced phases (shard i starts at
-    phase i mod S/R): the held-out range is covered R times, each with its own arrivals.
+    split: "train" (the training range) or "eval" (the held-out range).
+    phases: "random" (a random phase per shard at reset: how the trainer explores) or "even"
+    (phases evenly spaced over the range, so S shards x range/S ticks cover it once: how a
+    policy is evaluated). Default: random on "train", even on "eval".
+    eval_replicas: with even phases, R copies of S/R evenly spaced phases (shard i starts at
+    phase i mod S/R): the range is covered R times, each with its own arrivals.
     copy_obs: True returns fresh observation arrays; False returns the micro history as a
     view into the simulator's ring buffer, valid until the next `step` (the zero-copy path
     a trainer uses when it copies observations into replay itself, like gymnasium's
@@ -90,9 +92,16 @@ class PlatformSim:
     """
 
     def __init__(self, cfg: SimConfig = SimConfig(), split: str = "train",
-                 rates: Optional[TickRates] = None, copy_obs: bool = True, eval_replicas: int = 1) -> None:
+                 rates: Optional[TickRates] = None, copy_obs: bool = True, eval_replicas: int = 1,
+                 phases: Optional[str] = None) -> None:
         if split not in ("train", "eval"):
             raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+        phases = phases if phases is not None else ("random" if split == "train" else "even")
+        if phases not in ("random", "even"):
+            raise ValueError(f"phases must be 'random' or 'even', got {phases!r}")
+        if phases == "random" and eval_replicas != 1:
+            raise ValueError(f"eval_replicas={eval_replicas!r} needs evenly spaced phases (phases='even')")
+        self.phases = phases
         if not (isinstance(eval_replicas, int) and eval_replicas >= 1 and cfg.num_shards % eval_replicas == 0):
             raise ValueError(f"eval_replicas must be an int >= 1 dividing num_shards={cfg.num_shards}, "
                              f"got {eval_replicas!r}")
@@ -160,7 +169,7 @@ class PlatformSim:
         S, K, P, H = self.S, self.K, self.P, self.H
         f32 = np.float32
         lo = self.range[0]
-        if self.split == "train":
+        if self.phases == "random":
             self.offset = lo + self.rng.integers(0, self.range_len, size=S)
         else:
             phases = S // self.eval_replicas
