@@ -360,13 +360,18 @@ class NetConfig:
     Bradley-Terry loss on ranked segment pairs); 0 = no head. Christiano et al. used 3."""
     preference_hidden: int = 64
     """Hidden width of each preference-head member's branch MLPs."""
+    quantiles: int = 0
+    """N > 0: a distributional head (quantile regression, QR-DQN: Dabney et al., AAAI 2018):
+    V and every advantage branch give N quantiles of the return, trained with the quantile
+    Huber loss (kappa = agent.huber_delta); Q is their mean, so acting, serving and the
+    preference steer are unchanged. 0 = the expected-value head."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name == "preference_ensemble":
-                if not isinstance(v, int) or v < 0:
-                    raise ConfigError(f"net.preference_ensemble must be an int >= 0, got {v!r}")
+            if f.name in ("preference_ensemble", "quantiles"):
+                if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                    raise ConfigError(f"net.{f.name} must be an int >= 0, got {v!r}")
                 continue
             if isinstance(v, int) and not isinstance(v, bool) and v < 1:
                 raise ConfigError(f"net.{f.name} must be >= 1, got {v!r}")

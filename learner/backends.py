@@ -32,10 +32,11 @@ class _Backend:
         self.cfg = cfg
         self.device = device
 
-    def forward(self, macro: torch.Tensor, micro: torch.Tensor, *pref_obs: torch.Tensor):
+    def forward(self, macro: torch.Tensor, micro: torch.Tensor, *pref_obs: torch.Tensor, **kw):
         """Q [B, D, n] (and preference utilities of pref_obs = (macro, micro)) through the
-        wrapper, so every gradient is synchronised by it."""
-        return self.model(macro, micro, *pref_obs)
+        wrapper, so every gradient is synchronised by it; kw (quantiles=True) reaches the
+        network's forward."""
+        return self.model(macro, micro, *pref_obs, **kw)
 
     def optimizer_state(self) -> dict:
         return self.opt.state_dict()

@@ -243,3 +243,19 @@ def test_adaptive_slo_penalty_config_checks():
         slo_target_vs_hpa=0.9))
     with pytest.raises(ConfigError, match="local trainer only: run with --local"):
         train.run_distributed(cfg, None, None)
+
+
+def test_local_trainer_with_the_distributional_head_trains_and_checkpoints(tmp_path):
+    base = train.PRESETS["smoke"]
+    cfg = dataclasses.replace(base, net=dataclasses.replace(base.net, quantiles=4))
+    tr = train.LocalTrainer(cfg)
+    for _ in range(80):
+        tr.train_tick()
+    assert tr.learner.updates > 0 and np.isfinite(tr.last_loss)
+    ck = tmp_path / "q.pt"
+    tr.checkpoint(ck)
+    pol = load_policy(ck, cfg.sim)
+    assert pol.net.cfg.quantiles == 4
+    o = PlatformSim(cfg.sim).reset(seed=0)
+    q = pol.net(torch.from_numpy(o.macro), torch.from_numpy(o.micro))
+    assert q.shape == (cfg.sim.num_shards, cfg.net.num_branches, cfg.net.sub_actions)
