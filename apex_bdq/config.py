@@ -364,7 +364,8 @@ class NetConfig:
     """N > 0: a distributional head (quantile regression, QR-DQN: Dabney et al., AAAI 2018):
     V and every advantage branch give N quantiles of the return, trained with the quantile
     Huber loss (kappa = agent.huber_delta); Q is their mean, so acting, serving and the
-    preference steer are unchanged. 0 = the expected-value head."""
+    preference steer are unchanged. 0 = the expected-value head. Experimental: it does not
+    train the default preset yet (README, "Distributional head")."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
