@@ -445,6 +445,9 @@ class PreferenceConfig:
     held-out pairs better (0.89; 0.94 against the oracle's rule) and steers less (-16 %)."""
     min_pairs: int = 16
     """Ranked pairs needed before the learner adds the preference loss."""
+    eval_pairs: int = 500
+    """At the end of a run, random pairs of unranked segments the oracle labels only to
+    measure the head's ranking accuracy precisely (not logged, not trained on; 0 = skip)."""
     log_path: Optional[str] = None
     """Durable feedback log (framed msgpack); None: runs/feedback/<run>.log by the launcher."""
 
@@ -456,6 +459,7 @@ class PreferenceConfig:
                      "query_candidates", "batch_pairs", "min_pairs", "update_every", "warmup_updates"):
             _check(getattr(self, name) >= 1, f"pref.{name} must be >= 1, got {getattr(self, name)!r}")
         _check(self.oracle_pairs >= 0, f"pref.oracle_pairs must be >= 0, got {self.oracle_pairs!r}")
+        _check(self.eval_pairs >= 0, f"pref.eval_pairs must be >= 0, got {self.eval_pairs!r}")
         _check(self.oracle_tie_margin >= 0, f"pref.oracle_tie_margin must be >= 0, got {self.oracle_tie_margin!r}")
         _check(0 <= self.oracle_error_rate <= 1,
                f"pref.oracle_error_rate must be in [0, 1], got {self.oracle_error_rate!r}")

@@ -535,7 +535,9 @@ def bench_preference(minutes: float, variants: list[str], extra: list[str], seed
                       "updates": res["updates"], "env_steps": res["env_steps"], "pairs": p.get("pairs"),
                       "heldout_pairs": p.get("heldout_pairs"), "heldout_pair_accuracy": p.get("heldout_pair_accuracy"),
                       "heldout_pair_accuracy_noise_free": p.get("heldout_pair_accuracy_noise_free"),
-                      "heldout_label_ceiling": p.get("heldout_label_ceiling"), **ref}
+                      "heldout_label_ceiling": p.get("heldout_label_ceiling"),
+                      **{k: p.get(k) for k in ("eval_pair_accuracy", "eval_pair_accuracy_noise_free",
+                                               "eval_label_ceiling", "eval_pairs")}, **ref}
     print(f"\n{'variant':<14}{'overload':>10}{'greedy only':>13}{'eval reward':>13}{'SLO viol':>10}{'pairs':>7}"
           f"{'held-out acc':>14}")
     for name, r in rows.items():
@@ -554,6 +556,9 @@ def bench_preference(minutes: float, variants: list[str], extra: list[str], seed
                    heldout_pair_accuracy=w["heldout_pair_accuracy"],
                    heldout_pair_accuracy_noise_free=w["heldout_pair_accuracy_noise_free"],
                    heldout_label_ceiling=w["heldout_label_ceiling"],
+                   eval_pair_accuracy=w["eval_pair_accuracy"],
+                   eval_pair_accuracy_noise_free=w["eval_pair_accuracy_noise_free"],
+                   eval_label_ceiling=w["eval_label_ceiling"], eval_pairs=w["eval_pairs"],
                    greedy_overload_without=wo["greedy_overload_rate"],
                    cautious_constant_overload=wo["cautious_constant_overload_rate"])
         drop = 1 - w["exploration_overload_rate"] / max(wo["exploration_overload_rate"], 1e-12)
@@ -566,6 +571,14 @@ def bench_preference(minutes: float, variants: list[str], extra: list[str], seed
               f"{'met' if acc >= 0.9 else 'NOT met'}), {w['heldout_pair_accuracy_noise_free'] or float('nan'):.3f} "
               f"against the oracle's rule without its random answers; a perfect ranker would score "
               f"{w['heldout_label_ceiling'] or float('nan'):.3f} against the labels given")
+        nan = float("nan")
+        ev = w["eval_pair_accuracy"]
+        ev = nan if ev is None else ev
+        print(f"{w['eval_pairs'] or 0} random held-out pairs (fresh segments, labelled for the measurement only): "
+              f"accuracy {ev:.3f} against the labels given (target >= 0.90: {'met' if ev >= 0.9 else 'NOT met'}), "
+              f"{w['eval_pair_accuracy_noise_free'] if w['eval_pair_accuracy_noise_free'] is not None else nan:.3f} "
+              f"against the oracle's rule; a perfect ranker would score "
+              f"{w['eval_label_ceiling'] if w['eval_label_ceiling'] is not None else nan:.3f} against the labels given")
         print(f"overload of the 'without' run's greedy policy alone (no exploration): "
               f"{wo['greedy_overload_rate']:.4f}; of the most cautious constant action: "
               f"{wo['cautious_constant_overload_rate']:.4f} (what steering can take away lies above these)")

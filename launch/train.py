@@ -272,9 +272,12 @@ class LocalTrainer:
     def preference_stats(self) -> Optional[dict]:
         if self.pref is None:
             return None
+        ev = self.pref.eval_pair_accuracy(self.learner.net)
         return {**self.pref.stats(), "heldout_pair_accuracy": self.pref.heldout_accuracy(self.learner.net),
                 "heldout_pair_accuracy_noise_free": self.pref.heldout_accuracy(self.learner.net, noise_free=True),
-                "heldout_label_ceiling": self.pref.heldout_label_ceiling()}
+                "heldout_label_ceiling": self.pref.heldout_label_ceiling(),
+                "eval_pair_accuracy": ev["accuracy"], "eval_pair_accuracy_noise_free": ev["accuracy_noise_free"],
+                "eval_label_ceiling": ev["label_ceiling"], "eval_pairs": ev["strict_labels"]}
 
 
 def plot_curve(history: list[dict], path: str) -> None:

@@ -16,8 +16,8 @@ from actors.preference_actor import PreferenceActor
 from apex_bdq.config import AgentConfig, NetConfig, PreferenceConfig, SimConfig
 from apex_bdq.losses import preference_loss, segment_scores
 from apex_bdq.networks import BDQNetwork
-from apex_bdq.preference import (FeedbackError, FeedbackLog, PreferencePair, Segment, UnknownSegment, load_log,
-                                 oracle_label)
+from apex_bdq.preference import (FeedbackError, FeedbackLog, PreferenceBatch, PreferencePair, Segment,
+                                 UnknownSegment, load_log, oracle_label)
 from learner.learner import Explorer, Learner, batch_preference_loss
 
 NET = NetConfig.for_sim(SimConfig(), macro_hidden=32, micro_channels=8, z_dim=32, head_hidden=32,
@@ -275,6 +275,63 @@ def test_oracle_queries_the_most_disputed_pair_and_serves_batches(tmp_path):
     actor.close()
 
 
+def test_held_out_queries_are_drawn_at_random_training_queries_by_disagreement(tmp_path):
+    """With an ensemble, training pairs are the most disputed of their candidates; held-out
+    pairs (the test set) are random ones, so they are on average much less disputed."""
+    rng = np.random.default_rng(11)
+    pa = PreferenceActor(NET, PreferenceConfig(enabled=True, oracle_pairs=80, oracle_every=80, query_candidates=16),
+                         str(tmp_path / "q.log"), seed=0, heldout_every=2)
+    pa.add_segments([make_segment(rng) for _ in range(400)])
+    torch.manual_seed(3)
+    pa.set_weights(BDQNetwork(NET).state_dict(), version=1)
+    assert pa.oracle_step() == 80
+    assert len(pa.heldout) == 40 and len(pa.pairs) == 40
+
+    def disagreement(pairs):
+        b = PreferenceBatch.from_pairs(pairs, pa.ranked)
+        with torch.no_grad():
+            return float(batch_preference_loss(pa.net.utilities, b, torch.device("cpu"))[1]["disagreement"].mean())
+    assert disagreement(pa.pairs) > 1.5 * disagreement(pa.heldout)
+    pa.close()
+
+
+def test_eval_pairs_measure_the_head_on_fresh_segments_without_touching_feedback(tmp_path):
+    rng = np.random.default_rng(12)
+    learner = Learner(NET, AgentConfig(lr=3e-3), seed=0, pref_beta=1.0)
+    train = [make_segment(rng, capacity_action=int(rng.integers(0, NET.sub_actions))) for _ in range(300)]
+    by_id = {s.id: s for s in train}
+    pairs = [PreferencePair(a.id, b.id, oracle_label(a, b, (1, 1, 1), 0.0, rng))
+             for a, b in zip(train[0::2], train[1::2])]
+    pairs = [p for p in pairs if p.label != 0.5]
+    for _ in range(150):
+        idx = rng.integers(0, len(pairs), size=32)
+        learner.update(None, None, PreferenceBatch.from_pairs([pairs[i] for i in idx], by_id))
+    fresh = [make_segment(rng, capacity_action=int(rng.integers(0, NET.sub_actions))) for _ in range(60)]
+    clean = pref_actor(tmp_path, name="clean.log", oracle_error_rate=0.0)
+    noisy = pref_actor(tmp_path, name="noisy.log", oracle_error_rate=1.0)  # every answer at random
+    for pa in (clean, noisy):
+        pa.add_segments(fresh)
+        pa.rank(fresh[0].id, fresh[1].id)  # ranked segments are left out of the measurement
+    size, state = os.path.getsize(clean.log.path), clean.rng.bit_generator.state
+    ev = clean.eval_pair_accuracy(learner.net, pairs=300)
+    assert ev["pairs"] == 300 and ev["strict_labels"] == ev["strict_rule"] > 100
+    assert ev["accuracy"] == ev["accuracy_noise_free"] >= 0.9 and ev["label_ceiling"] == 1.0
+    # measuring is not feedback: nothing logged, no pair kept, the query stream unchanged
+    assert os.path.getsize(clean.log.path) == size and len(clean.pairs) == 1
+    assert clean.rng.bit_generator.state == state
+    untrained = Learner(NET, AgentConfig(), seed=1, pref_beta=1.0).net
+    assert clean.eval_pair_accuracy(untrained, pairs=300)["accuracy_noise_free"] < 0.8
+    evn = noisy.eval_pair_accuracy(learner.net, pairs=300)
+    assert evn["accuracy_noise_free"] == ev["accuracy_noise_free"]  # same pairs, same rule
+    assert abs(evn["accuracy"] - 0.5) < 0.12 and abs(evn["label_ceiling"] - 0.5) < 0.12
+    small = pref_actor(tmp_path, name="small.log")
+    small.add_segments(fresh[:3])
+    assert small.eval_pair_accuracy(learner.net, pairs=50)["pairs"] == 3  # every pair of 3 segments, once
+    assert small.eval_pair_accuracy(learner.net, pairs=0)["pairs"] == 0
+    for pa in (clean, noisy, small):
+        pa.close()
+
+
 # -- exploration -------------------------------------------------------------------------
 class _FixedUtilities(torch.nn.Module):
     """A stand-in network whose Q prefers sub-action 0 and whose utilities prefer n-1."""
@@ -326,6 +383,7 @@ def test_local_trainer_with_oracle_feedback(tmp_path):
     res = tr.run(progress=False)
     st = res["preference"]
     assert st["pairs"] + st["heldout_pairs"] == st["oracle_ranked"] > 10
+    assert st["eval_pairs"] > 0 and 0.0 <= st["eval_pair_accuracy_noise_free"] <= 1.0  # the end-of-run measurement
     assert 0.0 <= res["exploration_overload_rate"] <= 1.0
     head1 = tr.learner.net.state_dict()
     assert any(not torch.equal(head0[k], head1[k]) for k in head0)  # the learner trained the head
