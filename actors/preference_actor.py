@@ -67,6 +67,9 @@ class PreferenceActor:
                     self.heldout_ids.update((p.a, p.b))
         self.replayed_pairs = len(self.pairs) + len(self.heldout)
         self.oracle_ranked = sum(p.source == "oracle" for p in self.pairs + self.heldout)  # its budget is spent
+        self.clock = time.monotonic  # pacing of the oracle (tests set their own clock)
+        self._pace_start: Optional[float] = None
+        self._pace_base = self.oracle_ranked
 
     # -- segments ---------------------------------------------------------------------------
     def _check(self, s: Segment) -> None:
@@ -160,11 +163,26 @@ class PreferenceActor:
             self.add_segments(segments)
         return [self.rank(p["a"], p["b"], float(p.get("label", 1.0)), source=source) for p in pairs]
 
+    def oracle_allowance(self) -> int:
+        """Pairs the oracle may still rank now: its budget (`pref.oracle_pairs`), paced like a
+        labeller at `pref.oracle_pairs_per_min` after a first `pref.min_pairs` (so the head
+        sees the segments of the policy as it changes, not only of the first minute)."""
+        left = self.cfg.oracle_pairs - self.oracle_ranked
+        rate = self.cfg.oracle_pairs_per_min
+        if rate <= 0 or left <= 0:
+            return max(left, 0)
+        now = self.clock()
+        if self._pace_start is None:
+            self._pace_start = now
+        paced = self._pace_base + self.cfg.min_pairs + int(rate * (now - self._pace_start) / 60.0)
+        return max(0, min(left, paced - self.oracle_ranked))
+
     def oracle_step(self, k: Optional[int] = None) -> int:
-        """Let the synthetic oracle rank up to k pairs (within the run's oracle budget); the
-        pairs asked about are the most disputed by the ensemble, or random without one. A
-        segment may be in several pairs; at least one side of a query is not ranked yet."""
-        k = self.cfg.oracle_every if k is None else k
+        """Let the synthetic oracle rank up to k pairs (within its budget and pace,
+        `oracle_allowance`); the pairs asked about are the most disputed by the ensemble, or
+        random without one (held-out pairs: at random). A segment may be in several pairs; at
+        least one side of a query is not ranked yet."""
+        k = min(self.cfg.oracle_every if k is None else k, self.oracle_allowance())
         done = tries = 0
         while done < k and self.oracle_ranked < self.cfg.oracle_pairs and self.unranked and tries < 4 * k:
             tries += 1

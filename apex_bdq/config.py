@@ -422,7 +422,11 @@ class PreferenceConfig:
     oracle_pairs: int = 400
     """Pairs the synthetic oracle ranks over a run (0 = people only)."""
     oracle_every: int = 4
-    """Pairs the oracle ranks per call (rate: one call per emitted batch of segments)."""
+    """Pairs the oracle ranks at most per call (one call per emitted batch of segments)."""
+    oracle_pairs_per_min: float = 100.0
+    """The oracle's pace, like a labeller's: after a first `min_pairs`, at most this many pairs
+    per minute of the run (400 pairs over 4 minutes), so late segments of the changing policy
+    get ranked too; 0 = as fast as segments arrive (400 pairs in the first ~70 s of a local run)."""
     oracle_error_rate: float = 0.1
     """Share of oracle answers given at random, as real labellers err."""
     oracle_weights: tuple[float, float, float] = (1.0, 1.0, 1.0)
@@ -460,6 +464,8 @@ class PreferenceConfig:
             _check(getattr(self, name) >= 1, f"pref.{name} must be >= 1, got {getattr(self, name)!r}")
         _check(self.oracle_pairs >= 0, f"pref.oracle_pairs must be >= 0, got {self.oracle_pairs!r}")
         _check(self.eval_pairs >= 0, f"pref.eval_pairs must be >= 0, got {self.eval_pairs!r}")
+        _check(isinstance(self.oracle_pairs_per_min, (int, float)) and 0 <= self.oracle_pairs_per_min < float("inf"),
+               f"pref.oracle_pairs_per_min must be a finite number >= 0, got {self.oracle_pairs_per_min!r}")
         _check(self.oracle_tie_margin >= 0, f"pref.oracle_tie_margin must be >= 0, got {self.oracle_tie_margin!r}")
         _check(0 <= self.oracle_error_rate <= 1,
                f"pref.oracle_error_rate must be in [0, 1], got {self.oracle_error_rate!r}")

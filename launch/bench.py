@@ -4,7 +4,9 @@
     python -m launch.bench replay [--json PATH]
     python -m launch.bench apex [--json PATH] [--seconds 60] [--actors 1,2,4,8] [--plot PNG]
     python -m launch.bench route [--json PATH] [--batch 512]
-    python -m launch.bench preference [--json PATH] [--minutes 4] [--variants without,with]
+    python -m launch.bench preference [--json PATH] [--minutes 4] [--variants without,with] [--keep DIR]
+    python -m launch.bench preference-fit --log LOG [--checkpoint CK] [--steps 1800] [--dense N]
+                                                                     (see launch/bench_preference_fit.py)
     python -m launch.bench serve [--json PATH] [--requests 1000]      (see launch/bench_serve.py)
 
 `sim`: shard-steps per second of the vectorised PlatformSim at S = 1, 64, 1024 on one core,
@@ -25,6 +27,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -505,7 +508,8 @@ def _overload_reference(net, cfg, decisions: int, seed: int) -> dict:
             "cautious_constant_overload_rate": over / ticks, "cautious_constant_reward": reward / ticks}
 
 
-def bench_preference(minutes: float, variants: list[str], extra: list[str], seed: int = 0) -> dict:
+def bench_preference(minutes: float, variants: list[str], extra: list[str], seed: int = 0,
+                     keep: Optional[str] = None) -> dict:
     """Local training runs of the default preset side by side, the same budget and seed, with
     and without oracle feedback: overload ticks during exploration (rollout shard-ticks above
     the utilisation threshold), evaluation reward, and how well the preference head ranks
@@ -522,12 +526,18 @@ def bench_preference(minutes: float, variants: list[str], extra: list[str], seed
             raise SystemExit(f"unknown variant {name!r}: choose from {', '.join(PREFERENCE_VARIANTS)}")
         sets = PREFERENCE_VARIANTS[name] + (extra if name != "without" else [])
         cfg = apply_overrides(base, sets)
-        log = os.path.join(tempfile.mkdtemp(prefix="apex_bdq_pref_"), "feedback.log")
+        folder = keep or tempfile.mkdtemp(prefix="apex_bdq_pref_")
+        os.makedirs(folder, exist_ok=True)
+        log = os.path.join(folder, f"{name}.log")
+        if os.path.exists(log):  # a log replays its pairs: a second run must not start from the first's
+            raise SystemExit(f"{log} exists: --keep needs a folder without this variant's log")
         print(f"[{name}] {minutes:g} min of training {' '.join(sets) or '(no preferences)'}", flush=True)
         tr = LocalTrainer(cfg, feedback_log=log, heldout_every=5)
         res = tr.run(progress=False)
         if tr.pref is not None:
             tr.pref.close()
+        if keep:  # for `launch.bench preference-fit --log ... --checkpoint ...`
+            tr.checkpoint(os.path.join(folder, f"{name}.pt"))
         p = res["preference"] or {}
         ref = _overload_reference(tr.learner.net, cfg, 400, seed)
         rows[name] = {"exploration_overload_rate": res["exploration_overload_rate"], "eval_reward": res["eval_reward"],
@@ -588,7 +598,8 @@ def bench_preference(minutes: float, variants: list[str], extra: list[str], seed
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m launch.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["sim", "replay", "apex", "route", "preference", "serve"], help="which benchmark")
+    ap.add_argument("what", choices=["sim", "replay", "apex", "route", "preference", "preference-fit", "serve"],
+                    help="which benchmark")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--seconds", type=float, default=1.0, help="seconds per timed run")
@@ -604,6 +615,12 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"preference: runs to compare ({', '.join(PREFERENCE_VARIANTS)})")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="preference: extra config overrides for the runs with preferences")
+    ap.add_argument("--log", help="preference-fit: the feedback log (with held-out pairs) to fit")
+    ap.add_argument("--checkpoint", help="preference-fit: start from this checkpoint's encoders")
+    ap.add_argument("--steps", type=int, default=1800, help="preference-fit: preference-only learner steps")
+    ap.add_argument("--dense", type=int, default=0,
+                    help="preference-fit: train on this many rule-labelled random pairs of the training segments")
+    ap.add_argument("--keep", help="preference: keep each run's feedback log and final checkpoint in this folder")
     ap.add_argument("--requests", type=int, default=1000, help="serve: requests per 1-shard cell (256 shards: /4)")
     a = ap.parse_args(argv)
     if a.repeats < 1 or a.seconds <= 0:
@@ -627,7 +644,14 @@ def main(argv: list[str] | None = None) -> int:
         from launch.bench_serve import bench_serve
         res = bench_serve(a.requests)
     elif a.what == "preference":
-        res = bench_preference(a.minutes, [v.strip() for v in a.variants.split(",") if v.strip()], a.set)
+        res = bench_preference(a.minutes, [v.strip() for v in a.variants.split(",") if v.strip()], a.set, keep=a.keep)
+    elif a.what == "preference-fit":
+        if not a.log:
+            ap.error("preference-fit needs --log")
+        if a.steps < 1 or a.dense < 0:
+            ap.error("--steps must be >= 1 and --dense >= 0")
+        from launch.bench_preference_fit import bench_preference_fit
+        res = bench_preference_fit(a.log, a.checkpoint, steps=a.steps, dense=a.dense)
     elif a.what == "apex":
         res = bench_apex([int(x) for x in a.actors.split(",")], max(a.seconds, 10.0), a.shards_per_actor,
                          not a.no_peers, a.plot)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from actors.preference_actor import PreferenceActor
-from apex_bdq.config import AgentConfig, NetConfig, PreferenceConfig, SimConfig
+from apex_bdq.config import AgentConfig, ConfigError, NetConfig, PreferenceConfig, SimConfig
 from apex_bdq.losses import preference_loss, segment_scores
 from apex_bdq.networks import BDQNetwork
 from apex_bdq.preference import (FeedbackError, FeedbackLog, PreferenceBatch, PreferencePair, Segment,
@@ -43,7 +43,7 @@ def make_segment(rng, overload=None, capacity_action=None, sid=None) -> Segment:
 
 
 def pref_actor(tmp_path, name="fb.log", **kw) -> PreferenceActor:
-    cfg = PreferenceConfig(enabled=True, min_pairs=2, batch_pairs=8, **kw)
+    cfg = PreferenceConfig(**{"enabled": True, "min_pairs": 2, "batch_pairs": 8, **kw})
     return PreferenceActor(NET, cfg, str(tmp_path / name), seed=0)
 
 
@@ -263,7 +263,7 @@ def test_store_is_bounded_and_ranked_segments_stay(tmp_path):
 
 def test_oracle_queries_the_most_disputed_pair_and_serves_batches(tmp_path):
     rng = np.random.default_rng(7)
-    actor = pref_actor(tmp_path, oracle_pairs=6, oracle_every=10, query_candidates=16)
+    actor = pref_actor(tmp_path, oracle_pairs=6, oracle_every=10, query_candidates=16, oracle_pairs_per_min=0)
     actor.add_segments([make_segment(rng) for _ in range(30)])
     actor.set_weights(BDQNetwork(NET).state_dict(), version=3)
     assert actor.oracle_step() == 6  # the budget caps it
@@ -275,11 +275,38 @@ def test_oracle_queries_the_most_disputed_pair_and_serves_batches(tmp_path):
     actor.close()
 
 
+def test_oracle_is_paced_like_a_labeller(tmp_path):
+    """min_pairs at once, then at most oracle_pairs_per_min per minute of the run, within the
+    budget; a restarted actor's replayed pairs do not count against the new run's pace."""
+    rng = np.random.default_rng(13)
+    pa = pref_actor(tmp_path, oracle_pairs=50, oracle_every=100, oracle_pairs_per_min=30, min_pairs=4)
+    now = [100.0]
+    pa.clock = lambda: now[0]
+    pa.add_segments([make_segment(rng) for _ in range(200)])
+    assert pa.oracle_step() == 4 and pa.oracle_step() == 0  # the first min_pairs, then wait
+    now[0] += 30.0
+    assert pa.oracle_allowance() == 15 and pa.oracle_step() == 15  # 30 / min for half a minute
+    now[0] += 600.0
+    assert pa.oracle_step() == 31 and pa.oracle_allowance() == 0  # the budget caps the pace
+    pa.close()
+    again = pref_actor(tmp_path, oracle_pairs=60, oracle_every=100, oracle_pairs_per_min=30, min_pairs=4)
+    again.clock = lambda: 0.0
+    assert again.oracle_ranked == 50 and again.oracle_allowance() == 4
+    again.close()
+    with pytest.raises(ConfigError, match="oracle_pairs_per_min"):
+        PreferenceConfig(oracle_pairs_per_min=float("nan"))
+    unpaced = pref_actor(tmp_path, name="unpaced.log", oracle_pairs=50, oracle_every=100, oracle_pairs_per_min=0)
+    unpaced.add_segments([make_segment(rng) for _ in range(200)])
+    assert unpaced.oracle_step() == 50
+    unpaced.close()
+
+
 def test_held_out_queries_are_drawn_at_random_training_queries_by_disagreement(tmp_path):
     """With an ensemble, training pairs are the most disputed of their candidates; held-out
     pairs (the test set) are random ones, so they are on average much less disputed."""
     rng = np.random.default_rng(11)
-    pa = PreferenceActor(NET, PreferenceConfig(enabled=True, oracle_pairs=80, oracle_every=80, query_candidates=16),
+    pa = PreferenceActor(NET, PreferenceConfig(enabled=True, oracle_pairs=80, oracle_every=80, query_candidates=16,
+                                               oracle_pairs_per_min=0),
                          str(tmp_path / "q.log"), seed=0, heldout_every=2)
     pa.add_segments([make_segment(rng) for _ in range(400)])
     torch.manual_seed(3)
@@ -375,7 +402,8 @@ def test_local_trainer_with_oracle_feedback(tmp_path):
     from apex_bdq.config import apply_overrides
     cfg = apply_overrides(PRESETS["smoke"], ["pref.enabled=true", "pref.segment_decisions=4", "pref.min_pairs=4",
                                              "pref.batch_pairs=4", "pref.oracle_pairs=40", "pref.shaping=0.1",
-                                             "pref.warmup_updates=5", "pref.update_every=1", "max_env_ticks=400"])
+                                             "pref.warmup_updates=5", "pref.update_every=1", "max_env_ticks=400",
+                                             "pref.oracle_pairs_per_min=6000"])
     assert cfg.net.preference_ensemble == 3
     log = str(tmp_path / "run.log")
     tr = LocalTrainer(cfg, feedback_log=log, heldout_every=5)
@@ -415,3 +443,38 @@ def test_feedback_cli_on_a_log_without_a_cluster(tmp_path, capsys):
     assert feedback.main(["--log", str(tmp_path / "missing.log"), "list"]) == 2
     _, _, pairs = load_log(log)
     assert [(p.a, p.b) for p in pairs] == [("s0", "s1")]  # the tie on the same two was a duplicate
+
+
+def test_preference_fit_benchmark_on_a_log(tmp_path):
+    """`launch.bench preference-fit` fits a head on a log's training pairs and ranks its
+    held-out segments; a checkpoint of another network shape is refused."""
+    import json
+
+    from launch import bench
+    from launch.bench_preference_fit import bench_preference_fit
+    rng = np.random.default_rng(21)
+    pa = PreferenceActor(NET, PreferenceConfig(enabled=True, oracle_pairs=120, oracle_every=120, oracle_error_rate=0.0,
+                                               oracle_pairs_per_min=0),
+                         str(tmp_path / "fit.log"), seed=0, heldout_every=4)
+    pa.add_segments([make_segment(rng, capacity_action=int(rng.integers(0, NET.sub_actions))) for _ in range(300)])
+    assert pa.oracle_step() == 120
+    pa.close()
+    res = bench_preference_fit(str(tmp_path / "fit.log"), steps=120, lr=3e-3, random_pairs=400, evals=2)
+    assert res["log_training_pairs"] == 90 and res["heldout_pairs_strict"] > 10 and res["random_pairs"] > 200
+    first, last = res["curve"]
+    assert last["step"] == 120 and last["random_accuracy_noise_free"] >= 0.9
+    assert last["heldout_accuracy"] == last["heldout_accuracy_noise_free"]  # the oracle made no random answers
+    dense = bench_preference_fit(str(tmp_path / "fit.log"), steps=20, dense=500, random_pairs=50, evals=1)
+    assert dense["training_pairs"] == 500 and dense["dense"] == 500
+    other = NetConfig.for_sim(SimConfig(history=4), preference_ensemble=3)  # another observation shape
+    from apex_bdq.checkpoint import config_to_dict, save_checkpoint
+    from launch.train import PRESETS
+    smoke = PRESETS["smoke"]
+    save_checkpoint(tmp_path / "other.pt",
+                    config_to_dict(dataclasses.replace(smoke, sim=smoke.sim.replace(history=4), net=other)),
+                    Learner(other, AgentConfig(), seed=0).state_dict(), {})
+    with pytest.raises(SystemExit, match="history"):
+        bench_preference_fit(str(tmp_path / "fit.log"), str(tmp_path / "other.pt"), steps=1)
+    out = tmp_path / "fit.json"
+    assert bench.main(["preference-fit", "--log", str(tmp_path / "fit.log"), "--steps", "4", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["final"]["step"] == 4
