@@ -443,7 +443,8 @@ class PreferenceConfig:
     """Pairs per preference batch."""
     update_every: int = 4
     """The learner adds the preference loss on every k-th update (it costs an encoder pass
-    over 2 x batch_pairs x T decisions). A trade-off measured in the preference benchmark:
+    over 2 x batch_pairs x T decisions). A trade-off measured in the preference benchmark
+    (2026-11-30: an earlier preset, the oracle unpaced, held-out pairs the most disputed):
     every 4th update steers exploration harder (overload -34 %) but goes over a few hundred
     pairs ~180 times in 4 minutes and overfits (held-out accuracy 0.81); every 16th ranks
     held-out pairs better (0.89; 0.94 against the oracle's rule) and steers less (-16 %)."""
