@@ -23,7 +23,7 @@ import torch
 
 from apex_bdq.config import NetConfig, PreferenceConfig
 from apex_bdq.preference import (FeedbackError, FeedbackLog, PreferenceBatch, PreferencePair, Segment,
-                                 UnknownSegment, oracle_label, replay_log, segment_summary)
+                                 UnknownSegment, oracle_label, random_pairs, replay_log, segment_summary)
 from learner.learner import batch_preference_loss
 
 PREFERENCE_ACTOR_NAME = "apex_bdq_preference"
@@ -291,15 +291,8 @@ class PreferenceActor:
         if n < 1 or len(ids) < 2:
             return out
         rng = np.random.default_rng(seed)  # not self.rng: measuring changes no later query
-        seen, given, rule = set(), [], []
-        for _ in range(4 * n):
-            if len(seen) >= n:
-                break
-            i, j = rng.choice(len(ids), 2, replace=False)
-            p = PreferencePair(ids[i], ids[j])
-            if p.key() in seen:
-                continue
-            seen.add(p.key())
+        given, rule = [], []
+        for p in random_pairs(ids, n, rng):
             a, b = self.unranked[p.a], self.unranked[p.b]
             lab = oracle_label(a, b, self.cfg.oracle_weights, self.cfg.oracle_error_rate, rng,
                                tie_margin=self.cfg.oracle_tie_margin)

@@ -182,6 +182,21 @@ def oracle_label(a: Segment, b: Segment, weights: tuple[float, float, float], er
     return 1.0 if ca < cb else 0.0
 
 
+def random_pairs(ids: list, n: int, rng: np.random.Generator) -> list[PreferencePair]:
+    """Up to n distinct unordered pairs of different ids, drawn uniformly (unlabelled: 1.0);
+    fewer when the ids do not make n pairs (4n draws at most)."""
+    out, seen = [], set()
+    for _ in range(4 * n):
+        if len(out) >= n or len(ids) < 2:
+            break
+        i, j = rng.choice(len(ids), 2, replace=False)
+        p = PreferencePair(ids[i], ids[j])
+        if p.key() not in seen:
+            seen.add(p.key())
+            out.append(p)
+    return out
+
+
 # ----------------------------------------------------------------------------------------
 _HEADER = struct.Struct("<II")  # payload length, CRC-32 of the payload
 

@@ -26,22 +26,12 @@ import torch
 
 from apex_bdq.checkpoint import load_checkpoint, net_config_of
 from apex_bdq.config import AgentConfig, NetConfig, PreferenceConfig
-from apex_bdq.preference import PreferenceBatch, PreferencePair, load_log, oracle_label
+from apex_bdq.preference import PreferenceBatch, load_log, oracle_label, random_pairs
 from learner.learner import Learner, batch_preference_loss
 
 
 def _random_pairs(ids: list, segs: dict, n: int, rule, rng: np.random.Generator) -> list:
-    out, seen = [], set()
-    for _ in range(4 * n):
-        if len(out) >= n or len(ids) < 2:
-            break
-        i, j = rng.choice(len(ids), 2, replace=False)
-        p = PreferencePair(ids[i], ids[j])
-        if p.key() in seen:
-            continue
-        seen.add(p.key())
-        out.append(dataclasses.replace(p, label=rule(segs[p.a], segs[p.b])))
-    return out
+    return [dataclasses.replace(p, label=rule(segs[p.a], segs[p.b])) for p in random_pairs(ids, n, rng)]
 
 
 def bench_preference_fit(log: str, checkpoint: Optional[str] = None, steps: int = 1800, dense: int = 0,
