@@ -436,6 +436,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     g.add_argument("--use-gpu", action="store_true", help="learners (and replay storage) on GPUs")
     g.add_argument("--samples-per-insert", type=float,
                    help="rate limiter: transitions sampled per transition inserted (default: off, Ape-X style)")
+    g.add_argument("--publish-every", type=int, default=50,
+                   help="the learner publishes its weights every this many updates")
+    g.add_argument("--weight-pull-every", type=int, default=10,
+                   help="rollout actors ask for newer weights every this many decisions")
     g.add_argument("--error-buffer", type=float,
                    help="rate limiter slack in sampled transitions (default: 4096 x samples-per-insert)")
     g.add_argument("--max-restarts", type=int, default=3,
@@ -502,7 +506,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                                checkpoint_path=os.path.abspath(a.checkpoint) if a.checkpoint else None,
                                checkpoint_every_s=a.checkpoint_every, replay_snapshot_dir=a.replay_snapshot_dir,
                                replay_snapshot_every_s=a.replay_snapshot_every,
-                               replay_on_restart=a.replay_on_restart)
+                               replay_on_restart=a.replay_on_restart, publish_every=a.publish_every,
+                               weight_pull_every=a.weight_pull_every)
     except (ConfigError, TraceError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

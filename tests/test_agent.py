@@ -173,6 +173,8 @@ def test_resume_auto_continues_the_checkpoint_with_its_own_config(tmp_path, caps
     assert len(second["counters"]["history"]) > len(first["counters"]["history"])
     assert train.main(["--local", "--resume", str(tmp_path / "none.pt"), "--quiet"]) == 2
     assert "does not exist" in capsys.readouterr().err
+    assert train.main(["--publish-every", "0", "--quiet"]) == 2  # refused before any Ray start
+    assert "publish-every must be >= 1" in capsys.readouterr().err
 
 
 def test_one_step_returns_cross_an_episode_end():
