@@ -23,8 +23,9 @@ import torch
 
 from apex_bdq.config import NetConfig, PreferenceConfig
 from apex_bdq.preference import (FeedbackError, FeedbackLog, PreferenceBatch, PreferencePair, Segment,
-                                 UnknownSegment, oracle_label, random_pairs, replay_log, segment_summary)
-from learner.learner import batch_preference_loss
+                                 UnknownSegment, label_ceiling, oracle_label, random_pairs, replay_log,
+                                 segment_summary)
+from learner.learner import batch_preference_loss, ranking_accuracy
 
 PREFERENCE_ACTOR_NAME = "apex_bdq_preference"
 NAMESPACE = "apex_bdq"
@@ -239,42 +240,31 @@ class PreferenceActor:
         idx = self.rng.integers(0, len(self.pairs), size=k)
         return PreferenceBatch.from_pairs([self.pairs[i] for i in idx], self.ranked)
 
-    @torch.no_grad()
+    def rule_label(self, a: Segment, b: Segment, rng: np.random.Generator) -> float:
+        """The oracle's rule without its random answers: what a perfect labeller would say."""
+        return oracle_label(a, b, self.cfg.oracle_weights, 0.0, rng, tie_margin=self.cfg.oracle_tie_margin)
+
+    def _heldout_with_rule(self) -> tuple[list[PreferencePair], list[float]]:
+        """Held-out pairs whose segments are known, and the rule's label of each."""
+        rng = np.random.default_rng(0)  # not self.rng: measuring changes no later query
+        ps = [p for p in self.heldout if p.a in self.ranked and p.b in self.ranked]
+        return ps, [self.rule_label(self.ranked[p.a], self.ranked[p.b], rng) for p in ps]
+
     def heldout_accuracy(self, net, noise_free: bool = False) -> float:
         """Share of held-out strict pairs the ensemble-mean head ranks as labelled, or with
         `noise_free`, as the oracle's rule ranks them without its random answers (the labels
         a perfect labeller would give; ties left out)."""
+        ps, rule = self._heldout_with_rule()
         if noise_free:
-            strict, rng = [], np.random.default_rng(0)  # not self.rng: measuring changes no later query
-            for p in self.heldout:
-                a, b = self.ranked.get(p.a), self.ranked.get(p.b)
-                if a is None or b is None:
-                    continue
-                lab = oracle_label(a, b, self.cfg.oracle_weights, 0.0, rng, tie_margin=self.cfg.oracle_tie_margin)
-                if lab != 0.5:
-                    strict.append(dataclasses.replace(p, label=lab))
-        else:
-            strict = [p for p in self.heldout if p.label != 0.5]
-        if not strict:
-            return float("nan")
-        batch = PreferenceBatch.from_pairs(strict, self.ranked)
-        _, ex = batch_preference_loss(net.utilities, batch, next(net.parameters()).device)
-        return float(ex["accuracy"])
+            ps = [dataclasses.replace(p, label=r) for p, r in zip(ps, rule)]
+        return ranking_accuracy(net.utilities, ps, self.ranked, next(net.parameters()).device)
 
     def heldout_label_ceiling(self) -> float:
-        """What a perfect ranker scores on the held-out strict labels given: the share of them
-        the oracle's own rule (no random answers) agrees with, a tie under the rule counting
-        1/2. Random answers cap `heldout_accuracy` there, whatever the head learns."""
-        rng, hits = np.random.default_rng(0), []
-        for p in self.heldout:
-            a, b = self.ranked.get(p.a), self.ranked.get(p.b)
-            if p.label == 0.5 or a is None or b is None:
-                continue
-            rule = oracle_label(a, b, self.cfg.oracle_weights, 0.0, rng, tie_margin=self.cfg.oracle_tie_margin)
-            hits.append(0.5 if rule == 0.5 else float(rule == p.label))
-        return float(np.mean(hits)) if hits else float("nan")
+        """What a perfect ranker scores on the held-out strict labels given (`label_ceiling`):
+        random answers cap `heldout_accuracy` there, whatever the head learns."""
+        ps, rule = self._heldout_with_rule()
+        return label_ceiling([p.label for p in ps], rule)
 
-    @torch.no_grad()
     def eval_pair_accuracy(self, net, pairs: Optional[int] = None, seed: int = 0) -> dict:
         """How well the head ranks random pairs it never saw, precisely: `pairs` (default
         `pref.eval_pairs`) random pairs of unranked segments (in no training pair) are labelled
@@ -286,35 +276,20 @@ class PreferenceActor:
         (`heldout_accuracy`) are ~80, so that figure moves by +-0.04 from run to run."""
         n = self.cfg.eval_pairs if pairs is None else int(pairs)
         ids = [i for i in self.unranked if i not in self.heldout_ids]
-        out = {"pairs": 0, "accuracy": float("nan"), "accuracy_noise_free": float("nan"),
-               "label_ceiling": float("nan"), "strict_labels": 0, "strict_rule": 0}
-        if n < 1 or len(ids) < 2:
-            return out
         rng = np.random.default_rng(seed)  # not self.rng: measuring changes no later query
+        drawn = random_pairs(ids, n, rng) if n >= 1 else []
         given, rule = [], []
-        for p in random_pairs(ids, n, rng):
+        for p in drawn:
             a, b = self.unranked[p.a], self.unranked[p.b]
-            lab = oracle_label(a, b, self.cfg.oracle_weights, self.cfg.oracle_error_rate, rng,
-                               tie_margin=self.cfg.oracle_tie_margin)
-            ru = oracle_label(a, b, self.cfg.oracle_weights, 0.0, rng, tie_margin=self.cfg.oracle_tie_margin)
-            given.append(dataclasses.replace(p, label=lab))
-            rule.append(dataclasses.replace(p, label=ru))
-        out["pairs"] = len(given)
-        segs = self.unranked
-
-        def acc(ps: list) -> float:
-            strict = [p for p in ps if p.label != 0.5]
-            if not strict:
-                return float("nan")
-            _, ex = batch_preference_loss(net.utilities, PreferenceBatch.from_pairs(strict, segs),
-                                          next(net.parameters()).device)
-            return float(ex["accuracy"])
-        out["accuracy"], out["accuracy_noise_free"] = acc(given), acc(rule)
-        out["strict_labels"] = sum(p.label != 0.5 for p in given)
-        out["strict_rule"] = sum(p.label != 0.5 for p in rule)
-        hits = [0.5 if r.label == 0.5 else float(r.label == g.label) for g, r in zip(given, rule) if g.label != 0.5]
-        out["label_ceiling"] = float(np.mean(hits)) if hits else float("nan")
-        return out
+            given.append(dataclasses.replace(p, label=oracle_label(
+                a, b, self.cfg.oracle_weights, self.cfg.oracle_error_rate, rng, tie_margin=self.cfg.oracle_tie_margin)))
+            rule.append(dataclasses.replace(p, label=self.rule_label(a, b, rng)))
+        dev = next(net.parameters()).device
+        return {"pairs": len(drawn),
+                "accuracy": ranking_accuracy(net.utilities, given, self.unranked, dev),
+                "accuracy_noise_free": ranking_accuracy(net.utilities, rule, self.unranked, dev),
+                "label_ceiling": label_ceiling([p.label for p in given], [p.label for p in rule]),
+                "strict_labels": sum(p.label != 0.5 for p in given), "strict_rule": sum(p.label != 0.5 for p in rule)}
 
     def pair_keys(self) -> list[tuple[str, str]]:
         """Every accepted pair (training and held out), as its order-free key."""

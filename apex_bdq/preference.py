@@ -182,6 +182,14 @@ def oracle_label(a: Segment, b: Segment, weights: tuple[float, float, float], er
     return 1.0 if ca < cb else 0.0
 
 
+def label_ceiling(given: list[float], rule: list[float]) -> float:
+    """What a perfect ranker scores against labels `given`, knowing the rule's labels of the
+    same pairs: the share of the strict given labels the rule agrees with, a tie under the rule
+    counting 1/2 (random answers cap any ranker's accuracy there). NaN with no strict label."""
+    hits = [0.5 if r == 0.5 else float(r == g) for g, r in zip(given, rule) if g != 0.5]
+    return float(np.mean(hits)) if hits else float("nan")
+
+
 def random_pairs(ids: list, n: int, rng: np.random.Generator) -> list[PreferencePair]:
     """Up to n distinct unordered pairs of different ids, drawn uniformly (unlabelled: 1.0);
     fewer when the ids do not make n pairs (4n draws at most)."""

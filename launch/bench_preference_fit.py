@@ -27,7 +27,7 @@ import torch
 from apex_bdq.checkpoint import load_checkpoint, net_config_of
 from apex_bdq.config import AgentConfig, NetConfig, PreferenceConfig
 from apex_bdq.preference import PreferenceBatch, load_log, oracle_label, random_pairs
-from learner.learner import Learner, batch_preference_loss
+from learner.learner import Learner, ranking_accuracy
 
 
 def _random_pairs(ids: list, segs: dict, n: int, rule, rng: np.random.Generator) -> list:
@@ -35,7 +35,7 @@ def _random_pairs(ids: list, segs: dict, n: int, rule, rng: np.random.Generator)
 
 
 def bench_preference_fit(log: str, checkpoint: Optional[str] = None, steps: int = 1800, dense: int = 0,
-                         batch_pairs: int = 16, lr: float = 3e-4, random_pairs: int = 3000, seed: int = 0,
+                         batch_pairs: int = 16, lr: float = 3e-4, random_count: int = 3000, seed: int = 0,
                          pref: Optional[PreferenceConfig] = None, evals: int = 4) -> dict:
     pref = pref or PreferenceConfig()
     meta, segs, pairs = load_log(log)
@@ -70,18 +70,15 @@ def bench_preference_fit(log: str, checkpoint: Optional[str] = None, steps: int 
         fit = _random_pairs(tids, segs, dense, rule, rng)
     else:
         fit = train
-    held_given = [p for p in held if p.label != 0.5]
+    held_given = [p for p in held if p.label != 0.5]  # counted for the report
     held_rule = [q for q in (dataclasses.replace(p, label=rule(segs[p.a], segs[p.b])) for p in held) if q.label != 0.5]
     hids = sorted({i for p in held for i in (p.a, p.b)})
-    rand = [p for p in _random_pairs(hids, segs, random_pairs, rule, np.random.default_rng(seed + 1))
+    rand = [p for p in _random_pairs(hids, segs, random_count, rule, np.random.default_rng(seed + 1))
             if p.label != 0.5]
     dev = learner.device
 
     def acc(ps: list) -> float:
-        if not ps:
-            return float("nan")
-        with torch.no_grad():
-            return float(batch_preference_loss(learner.net.utilities, PreferenceBatch.from_pairs(ps, segs), dev)[1]["accuracy"])
+        return ranking_accuracy(learner.net.utilities, ps, segs, dev)
 
     at = sorted({max(1, round(steps * (i + 1) / evals)) for i in range(evals)})
     curve = []

@@ -82,6 +82,18 @@ def batch_preference_loss(forward_utilities, batch, device: torch.device) -> tup
     return _bt_loss(forward_utilities(macro, micro), acts, label)
 
 
+@torch.no_grad()
+def ranking_accuracy(forward_utilities, pairs: list, segments: dict, device: torch.device) -> float:
+    """Share of the strict pairs (label 1 or 0; ties left out) whose order the ensemble-mean
+    utilities give as labelled; NaN when there is none."""
+    strict = [p for p in pairs if p.label != 0.5]
+    if not strict:
+        return float("nan")
+    from apex_bdq.preference import PreferenceBatch
+    _, ex = batch_preference_loss(forward_utilities, PreferenceBatch.from_pairs(strict, segments), device)
+    return float(ex["accuracy"])
+
+
 class Learner:
     def __init__(self, net_cfg: NetConfig, agent_cfg: AgentConfig, device: str | torch.device = "cpu",
                  seed: int = 0, pref_beta: float = 0.0) -> None:

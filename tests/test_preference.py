@@ -459,12 +459,12 @@ def test_preference_fit_benchmark_on_a_log(tmp_path):
     pa.add_segments([make_segment(rng, capacity_action=int(rng.integers(0, NET.sub_actions))) for _ in range(300)])
     assert pa.oracle_step() == 120
     pa.close()
-    res = bench_preference_fit(str(tmp_path / "fit.log"), steps=120, lr=3e-3, random_pairs=400, evals=2)
+    res = bench_preference_fit(str(tmp_path / "fit.log"), steps=120, lr=3e-3, random_count=400, evals=2)
     assert res["log_training_pairs"] == 90 and res["heldout_pairs_strict"] > 10 and res["random_pairs"] > 200
     first, last = res["curve"]
     assert last["step"] == 120 and last["random_accuracy_noise_free"] >= 0.9
     assert last["heldout_accuracy"] == last["heldout_accuracy_noise_free"]  # the oracle made no random answers
-    dense = bench_preference_fit(str(tmp_path / "fit.log"), steps=20, dense=500, random_pairs=50, evals=1)
+    dense = bench_preference_fit(str(tmp_path / "fit.log"), steps=20, dense=500, random_count=50, evals=1)
     assert dense["training_pairs"] == 500 and dense["dense"] == 500
     other = NetConfig.for_sim(SimConfig(history=4), preference_ensemble=3)  # another observation shape
     from apex_bdq.checkpoint import config_to_dict, save_checkpoint
