@@ -510,11 +510,26 @@ class TrainConfig:
     constraint_replicas: int = 2
     """Those checks cover the training range constraint_replicas times with
     constraint_shards shards per copy (about 2 s with the default preset on 2 cores)."""
+    select_every_s: Optional[float] = None
+    """Policy selection on a validation split (the local trainer): every this many seconds,
+    and once at the end, the greedy policy runs on the *training* range (the yardstick of the
+    constraint checks: constraint_shards x constraint_replicas, fixed arrivals, so every check
+    meets the same requests); the run's policy is the checked one with the highest reward
+    among those whose violation rate is within select_violation_vs_hpa x HPA's there (none
+    within: the lowest violation rate). The held-out range stays unseen. None: off, the last
+    weights are the policy."""
+    select_violation_vs_hpa: float = 1.0
+    """The validation constraint of policy selection: SLO violation rate <= this x HPA's on
+    the training range."""
     seed: int = 0
     torch_threads: int = 2
 
     def __post_init__(self) -> None:
         _check(self.minutes > 0, f"train.minutes must be > 0, got {self.minutes!r}")
+        _check(self.select_every_s is None or self.select_every_s > 0,
+               f"train.select_every_s must be > 0 or none, got {self.select_every_s!r}")
+        _check(self.select_violation_vs_hpa > 0,
+               f"train.select_violation_vs_hpa must be > 0, got {self.select_violation_vs_hpa!r}")
         _check(self.eval_ticks >= 1 and self.eval_shards >= 1, "train.eval_ticks and eval_shards must be >= 1")
         _check(self.final_eval_replicas >= 1, f"train.final_eval_replicas must be >= 1, got {self.final_eval_replicas!r}")
         _check(self.constraint_every_s > 0 and self.constraint_shards >= 1 and self.constraint_replicas >= 1,

@@ -76,6 +76,56 @@ def evaluate_against_hpa(net, cfg: TrainConfig, ticks: Optional[int], shards: in
     return out
 
 
+class PolicySelector:
+    """Policy selection on a validation split (train.select_every_s): each check runs a
+    network's greedy policy on the *training* range (constraint_shards x constraint_replicas,
+    fixed arrivals, so every check meets the same requests; HPA there once) and keeps its
+    weights if it is the best so far: feasible (violation rate <= select_violation_vs_hpa x
+    HPA's) before infeasible, then the higher reward among feasible checks and the lower
+    violation rate among infeasible ones. The held-out range stays unseen: the final
+    evaluation there judges the selected policy as it would any other."""
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.cfg = cfg
+        self.log: list[dict] = []  # one row per check
+        self._hpa: Optional[dict] = None
+        self._best: Optional[tuple] = None  # (score, state_dict, row)
+
+    def train_range(self, net) -> tuple[dict, dict]:
+        """The greedy `net`'s and HPA's metrics on the training range."""
+        c = self.cfg
+        if self._hpa is None:
+            self._hpa = evaluate_policy(HPA(), c.sim, shards=c.constraint_shards, replicas=c.constraint_replicas,
+                                        split="train").metrics
+        m = evaluate_policy(GreedyPolicy(net, c.agent.decision_ticks), c.sim, shards=c.constraint_shards,
+                            replicas=c.constraint_replicas, split="train").metrics
+        net.train()
+        return m, self._hpa
+
+    def check(self, net, t_s: float, updates: int) -> dict:
+        m, hpa = self.train_range(net)
+        limit = self.cfg.select_violation_vs_hpa * hpa["slo_violation_rate"]
+        feasible = m["slo_violation_rate"] <= limit
+        score = (feasible, m["reward"] if feasible else -m["slo_violation_rate"])
+        row = {"t_s": round(t_s, 3), "updates": int(updates), "reward": m["reward"],
+               "slo_violation_rate": m["slo_violation_rate"], "hpa_reward": hpa["reward"],
+               "hpa_slo_violation_rate": hpa["slo_violation_rate"], "limit": limit, "feasible": bool(feasible)}
+        if self._best is None or score > self._best[0]:
+            self._best = (score, {k: v.detach().clone() for k, v in net.state_dict().items()}, row)
+        row["best_so_far"] = self._best[2]["updates"]
+        self.log.append(row)
+        return row
+
+    @property
+    def selected(self) -> Optional[dict]:
+        """The best check's row (None before any check)."""
+        return None if self._best is None else self._best[2]
+
+    @property
+    def best_state(self) -> Optional[dict]:
+        return None if self._best is None else self._best[1]
+
+
 class LocalTrainer:
     """The whole agent in one process; the one place it is wired together."""
 
@@ -118,14 +168,16 @@ class LocalTrainer:
         self.last_loss = float("nan")
         self._hpa_cache: dict = {}
         self.constraint_log: list[dict] = []  # one row per SLO-penalty update (agent.slo_target_vs_hpa)
-        self._hpa_train_violation: Optional[float] = None
+        # The training-range yardstick of the SLO-penalty controller and of policy selection.
+        self.selector = PolicySelector(cfg)
 
     # -- state ---------------------------------------------------------------------------
     def checkpoint(self, path: str | Path) -> None:
         save_checkpoint(path, config_to_dict(self.cfg), self.learner.state_dict(),
                         {"decisions": self.decisions, "env_steps": self.rollout.env_steps, "updates": self.learner.updates,
                          "history": self.history, "feedback_log": self.pref.log.path if self.pref is not None else None,
-                         "slo_penalty": self.rollout.slo_penalty, "constraint_log": self.constraint_log})
+                         "slo_penalty": self.rollout.slo_penalty, "constraint_log": self.constraint_log,
+                         "selection_log": self.selector.log})
 
     def resume(self, path: str | Path) -> None:
         """Warm start: weights, target, optimiser (its learning rate included), counters and
@@ -181,21 +233,31 @@ class LocalTrainer:
     def evaluate(self, ticks: Optional[int], shards: int, replicas: int = 1) -> dict:
         return evaluate_against_hpa(self.learner.net, self.cfg, ticks, shards, self._hpa_cache, replicas)
 
+    def validate(self, t_s: float) -> dict:
+        """One policy-selection check (train.select_every_s) of the current weights."""
+        return self.selector.check(self.learner.net, self.t_offset + t_s, self.learner.updates)
+
+    def select_policy(self) -> Optional[dict]:
+        """End of a run with selection: the best checked weights become the policy (online
+        and target network), so the final evaluation, the checkpoint, `launch.evaluate` and
+        Serve all use them. Returns the chosen check's row (None without checks)."""
+        row = self.selector.selected
+        if row is not None and row["updates"] != self.learner.updates:
+            self.learner.net.load_state_dict(self.selector.best_state)
+            self.learner.target.load_state_dict(self.selector.best_state)
+            self.rollout.weights_changed()
+        return row
+
     def adapt_slo_penalty(self, t_s: float) -> dict:
         """One dual-ascent step on the SLO penalty (agent.slo_target_vs_hpa): the greedy
         policy's violation rate v on the training range against target = ratio x HPA's there;
         log(penalty) += step x clip((v - target) / target, -1, 1), kept within the bounds.
         Rewards already in replay keep the penalty they were collected with; at ~1.5 minutes
         of replay turnover and a step of at most e^0.3 per check that lag is small."""
-        a, c = self.cfg.agent, self.cfg
-        if self._hpa_train_violation is None:
-            self._hpa_train_violation = evaluate_policy(HPA(), c.sim, shards=c.constraint_shards,
-                                                        replicas=c.constraint_replicas,
-                                                        split="train").metrics["slo_violation_rate"]
-        v = evaluate_policy(GreedyPolicy(self.learner.net, a.decision_ticks), c.sim, shards=c.constraint_shards,
-                            replicas=c.constraint_replicas, split="train").metrics["slo_violation_rate"]
-        self.learner.net.train()
-        target = a.slo_target_vs_hpa * self._hpa_train_violation
+        a = self.cfg.agent
+        m, hpa = self.selector.train_range(self.learner.net)
+        v = m["slo_violation_rate"]
+        target = a.slo_target_vs_hpa * hpa["slo_violation_rate"]
         err = float(np.clip((v - target) / max(target, 1e-9), -1.0, 1.0))
         lo, hi = (a.slo_penalty * b for b in a.slo_penalty_bounds)
         lam = float(np.clip(self.rollout.slo_penalty * math.exp(a.slo_penalty_step * err), lo, hi))
@@ -212,6 +274,8 @@ class LocalTrainer:
         next_eval = cfg.eval_every_s
         adaptive = cfg.agent.slo_target_vs_hpa is not None
         next_constraint = cfg.constraint_every_s
+        selecting = cfg.select_every_s is not None
+        next_select = cfg.select_every_s if selecting else math.inf
         bar = None
         if progress:
             from tqdm import tqdm
@@ -239,6 +303,9 @@ class LocalTrainer:
             if adaptive and now >= next_constraint and self.replay.size >= cfg.agent.learning_starts:
                 self.adapt_slo_penalty(now)
                 next_constraint = (time.perf_counter() - t0) + cfg.constraint_every_s
+            if selecting and now >= next_select and self.replay.size >= cfg.agent.learning_starts:
+                self.validate(now)
+                next_select = (time.perf_counter() - t0) + cfg.select_every_s
             if bar is not None and time.perf_counter() - last_t >= 2.0:
                 t = time.perf_counter()
                 sps = (self.rollout.env_steps - last_steps) / (t - last_t)
@@ -252,6 +319,11 @@ class LocalTrainer:
         if bar is not None:
             bar.close()
         train_s = time.perf_counter() - t0
+        selected = None
+        if selecting:  # the last weights are a candidate too
+            if not self.selector.log or self.selector.log[-1]["updates"] != self.learner.updates:
+                self.validate(train_s)
+            selected = self.select_policy()
         final = self.evaluate(cfg.final_eval_ticks, cfg.eval_shards, cfg.final_eval_replicas)
         self.history.append({"t_s": self.t_offset + train_s, "env_steps": self.rollout.env_steps, "updates": self.learner.updates,
                              "eval_reward": final["eval_reward"], "hpa_eval_reward": final["hpa_eval_reward"],
@@ -267,7 +339,8 @@ class LocalTrainer:
                 "updates_per_s": self.learner.updates / max(train_s, 1e-9),
                 "exploration_overload_rate": self.rollout.overload_ticks / max(self.rollout.env_steps, 1),
                 "preference": self.preference_stats(), "history": self.history,
-                "slo_penalty_final": self.rollout.slo_penalty, "constraint_log": self.constraint_log}
+                "slo_penalty_final": self.rollout.slo_penalty, "constraint_log": self.constraint_log,
+                "selection_log": self.selector.log, "selected": selected}
 
     def preference_stats(self) -> Optional[dict]:
         if self.pref is None:
@@ -311,6 +384,11 @@ def _print_final(res: dict, checkpoint: Optional[str]) -> None:
         print(f"SLO violation rate, learned - HPA: {res['slo_violation_rate'] - res['hpa_slo_violation_rate']:+.5f} "
               f"+- {res['slo_violation_rate_diff_se']:.5f} (paired standard error over {res['learned']['replicas']} "
               f"copies of the range, {res['learned']['slo_windows']:,} class-windows)")
+    sel = res.get("selected")
+    if sel is not None:
+        print(f"policy selection: the weights at update {sel['updates']:,} ({sel['t_s']:.0f} s; "
+              f"{len(res['selection_log'])} checks on the training range: reward {sel['reward']:.4f} vs HPA "
+              f"{sel['hpa_reward']:.4f}, violation rate {sel['slo_violation_rate']:.4f} vs limit {sel['limit']:.4f})")
     if checkpoint:
         print(f"checkpoint: {checkpoint}")
 
@@ -331,6 +409,7 @@ def run_distributed(cfg: TrainConfig, a, spec) -> dict:
                    log_to_driver=not a.quiet)
     run = ApexRun(cfg, spec, resume=resume)
     hpa_cache: dict = {}
+    selector = PolicySelector(cfg) if cfg.select_every_s is not None else None
     bar = None
     if not a.quiet:
         from tqdm import tqdm
@@ -356,12 +435,20 @@ def run_distributed(cfg: TrainConfig, a, spec) -> dict:
 
     try:
         out = run.run(on_progress=progress,
-                      evaluate=lambda net, ticks: evaluate_against_hpa(net, cfg, ticks, cfg.eval_shards, hpa_cache))
+                      evaluate=lambda net, ticks: evaluate_against_hpa(net, cfg, ticks, cfg.eval_shards, hpa_cache),
+                      validate=(lambda net, v, t_s: selector.check(net, t_s, v)) if selector is not None else None)
         net, version = run.current_policy_net()
     finally:
         if bar is not None:
             bar.close()
         run.shutdown()
+    selected = None
+    if selector is not None:  # the last weights are a candidate too; the best becomes the policy
+        if not selector.log or selector.log[-1]["updates"] != version:
+            selector.check(net, run.t_offset + out["train_seconds"], version)
+        selected = selector.selected
+        if selected["updates"] != version:
+            net.load_state_dict(selector.best_state)
     final = evaluate_against_hpa(net, cfg, cfg.final_eval_ticks, cfg.eval_shards, hpa_cache, cfg.final_eval_replicas)
     st = out["status"]
     lr = st.get("learner") or {}
@@ -371,8 +458,10 @@ def run_distributed(cfg: TrainConfig, a, spec) -> dict:
                               "slo_violation_rate": final["slo_violation_rate"],
                               "hpa_slo_violation_rate": final["hpa_slo_violation_rate"]}]
     ck = Path(a.checkpoint) if a.checkpoint and Path(a.checkpoint).is_file() else None  # copied by the run
-    if ck is not None:  # with the final evaluation in its learning curve
-        annotate_checkpoint(ck, {**run.counters(), "history": history})
+    if ck is not None:  # with the final evaluation in its learning curve (and the selected policy)
+        annotate_checkpoint(ck, {**run.counters(), "history": history,
+                                 **({"selection_log": selector.log} if selector is not None else {})},
+                            policy_state=selector.best_state if selected and selected["updates"] != version else None)
     train_s = out["train_seconds"]
     return {**{k: final[k] for k in ("eval_reward", "hpa_eval_reward", "slo_violation_rate", "hpa_slo_violation_rate",
                                      "slo_violation_rate_diff_se") if k in final},
@@ -385,7 +474,8 @@ def run_distributed(cfg: TrainConfig, a, spec) -> dict:
             "num_actors": spec.num_actors, "num_replay_shards": spec.num_replay_shards,
             "num_learners": spec.num_learners, "backend": spec.backend,
             "exploration_overload_rate": sum(x.get("overload_ticks", 0) for x in st["actors"]) / max(st["env_steps"], 1),
-            "preference": st.get("preference"), "checkpoint": str(ck) if ck else None, "history": history}
+            "preference": st.get("preference"), "checkpoint": str(ck) if ck else None, "history": history,
+            "selection_log": selector.log if selector is not None else [], "selected": selected}
 
 
 def config_file_args(argv: list[str]) -> list[str]:

@@ -261,3 +261,69 @@ def test_local_trainer_with_the_distributional_head_trains_and_checkpoints(tmp_p
     o = PlatformSim(cfg.sim).reset(seed=0)
     q = pol.net(torch.from_numpy(o.macro), torch.from_numpy(o.micro))
     assert q.shape == (cfg.sim.num_shards, cfg.net.num_branches, cfg.net.sub_actions)
+
+
+def _force_actions(net, choice):
+    """Make the greedy policy of `net` the constant `choice` (one sub-action per branch)."""
+    with torch.no_grad():
+        net.head.w2.zero_()
+        net.head.b2.zero_()
+        for d, a in enumerate(choice):
+            net.head.b2[d, a] = 10.0
+
+
+def test_policy_selection_keeps_the_best_validated_weights(tmp_path):
+    """Policy selection scores each check on the training range and ends the run with the
+    best: a cautious constant policy (top capacity tier, fastest servers) checked first
+    beats a reckless one (bottom tier, slowest servers) checked last, whatever the limit."""
+    base = train.PRESETS["smoke"]
+    cfg = dataclasses.replace(base, select_every_s=1e9, constraint_shards=16, constraint_replicas=1)
+    tr = train.LocalTrainer(cfg)
+    for _ in range(60):
+        tr.train_tick()
+    n = cfg.sim.sub_actions
+    _force_actions(tr.learner.net, (n - 1, n // 2, 0, n - 1))
+    cautious = {k: v.clone() for k, v in tr.learner.net.state_dict().items()}
+    first = tr.validate(1.0)
+    for _ in range(5):
+        tr.train_tick()  # more updates: a later check has another update count
+    _force_actions(tr.learner.net, (0, n // 2, 0, 0))
+    second = tr.validate(2.0)
+    assert second["slo_violation_rate"] > first["slo_violation_rate"]
+    assert not second["feasible"] and second["best_so_far"] == first["updates"] != second["updates"]
+    assert first["hpa_slo_violation_rate"] == second["hpa_slo_violation_rate"] > 0  # HPA evaluated once
+    row = tr.select_policy()
+    assert row is not None and row["updates"] == first["updates"]
+    for k, v in tr.learner.net.state_dict().items():
+        torch.testing.assert_close(v, cautious[k])
+        torch.testing.assert_close(tr.learner.target.state_dict()[k], cautious[k])
+    # Feasible checks are ranked by reward: a limit no policy meets makes both infeasible
+    # (lower violation wins, as above); one every policy meets makes the higher reward win.
+    tr2 = train.LocalTrainer(dataclasses.replace(cfg, select_violation_vs_hpa=1e6))
+    _force_actions(tr2.learner.net, (n - 1, n // 2, 0, n - 1))
+    a = tr2.validate(1.0)
+    _force_actions(tr2.learner.net, (0, n // 2, 0, 0))
+    b = tr2.validate(2.0)
+    assert a["feasible"] and b["feasible"]
+    assert tr2.select_policy()["reward"] == max(a["reward"], b["reward"])
+    # The log travels in the checkpoint.
+    ck = tmp_path / "sel.pt"
+    tr.checkpoint(ck)
+    assert len(load_checkpoint(ck)["counters"]["selection_log"]) == 2
+
+
+def test_policy_selection_in_a_run_and_config_checks(tmp_path):
+    base = train.PRESETS["smoke"]
+    cfg = dataclasses.replace(base, select_every_s=2.0, constraint_shards=8, constraint_replicas=1)
+    tr = train.LocalTrainer(cfg)
+    res = tr.run(progress=False, checkpoint=str(tmp_path / "ck.pt"))
+    log = res["selection_log"]
+    assert log and log[-1]["updates"] == res["updates"]  # the last weights are checked too
+    assert res["selected"]["updates"] in {r["updates"] for r in log}
+    saved = load_checkpoint(tmp_path / "ck.pt")["learner"]["net"]  # the checkpoint holds the selected weights
+    for k, v in tr.selector.best_state.items():
+        torch.testing.assert_close(saved[k], v)
+    with pytest.raises(ConfigError, match="select_every_s must be > 0"):
+        TrainConfig(select_every_s=0.0)
+    with pytest.raises(ConfigError, match="select_violation_vs_hpa must be > 0"):
+        TrainConfig(select_violation_vs_hpa=-1.0)
