@@ -179,9 +179,15 @@ class ApexRun:
                                                                self.heldout_every)
         self.actors = [Actor.remote(i, s.num_actors, actor_cfg, self.shards, self.store, s.max_in_flight,
                                     s.weight_pull_every, preference=self.pref) for i in range(s.num_actors)]
-        if self.resume is not None:  # actors start from the checkpoint's weights, not random ones
+        # Actors act with the learner's weights from their first decision: the checkpoint's on a
+        # resume, else the learner's initial ones (it seeds its network with cfg.seed), so the
+        # replay never fills with the play of networks the learner does not have.
+        if self.resume is not None:
             state = {k: t.detach().cpu().numpy().copy() for k, t in self.resume["learner"]["net"].items()}
-            self.store.put.remote(int(self.resume["learner"].get("version", 0)), state)
+            version = int(self.resume["learner"].get("version", 0))
+        else:
+            state, version = initial_weights(self.cfg), 0
+        ray.get(self.store.put.remote(version, state))
         self.actor_runs = [act.run.remote() for act in self.actors]
 
     def _weight_store(self, Store):
@@ -459,6 +465,15 @@ class ApexRun:
             ray.kill(self.pref, no_restart=True)
         if getattr(self, "store_named", False):  # frees the name; Serve keeps the last version it loaded
             ray.kill(self.store, no_restart=True)
+
+
+def initial_weights(cfg: TrainConfig) -> dict:
+    """The learner's initial network as numpy arrays: `train_loop_per_worker` seeds torch with
+    cfg.seed before it builds the network, and so does this."""
+    import torch
+    from apex_bdq.networks import BDQNetwork
+    torch.manual_seed(cfg.seed)
+    return {k: v.detach().numpy().copy() for k, v in BDQNetwork(cfg.net).state_dict().items()}
 
 
 def copy_checkpoint(result, dest: str | Path) -> Optional[Path]:

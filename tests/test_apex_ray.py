@@ -10,7 +10,7 @@ import torch
 
 from apex_bdq.checkpoint import load_policy
 from launch import train
-from launch.distributed import ApexRun, ClusterSpec, copy_checkpoint
+from launch.distributed import ApexRun, ClusterSpec, copy_checkpoint, initial_weights
 
 SMOKE = train.PRESETS["smoke"]
 
@@ -90,6 +90,49 @@ def _initial_params(cfg):
     from apex_bdq.networks import BDQNetwork
     torch.manual_seed(cfg.seed)
     return BDQNetwork(cfg.net).state_dict()
+
+
+def test_actors_start_with_the_learners_initial_weights(ray_local, tmp_path):
+    """Before any learner exists the weight store holds version 0 = the network the Train
+    learner starts from, so the first decisions (and the replay they fill) are the learner's
+    own policy, not some other random network's (this made the Ape-X run over-provision)."""
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from apex_bdq.checkpoint import config_to_dict
+    from learner.train_loop import train_loop_per_worker
+    from learner.weight_store import load_numpy_state
+    from apex_bdq.networks import BDQNetwork
+    out = tmp_path / "params_start.pt"  # no batches: the learner's parameters as it starts
+    TorchTrainer(train_loop_per_worker,
+                 train_loop_config={"cfg": config_to_dict(SMOKE), "backend": "ddp", "fixed_batches": [],
+                                    "minutes": 5, "params_out": str(out), "checkpoint_every_s": 1e9},
+                 scaling_config=ScalingConfig(num_workers=1, resources_per_worker={"CPU": 1}),
+                 run_config=RunConfig(storage_path=str(tmp_path / "rt"), name="start")).fit()
+    learner_start = torch.load(out)
+    init = initial_weights(SMOKE)
+    assert set(init) == set(learner_start)
+    for k, v in learner_start.items():
+        np.testing.assert_array_equal(init[k], v.numpy())
+    run = ApexRun(SMOKE, ClusterSpec(num_actors=1, actor_cpus=1, storage_path=str(tmp_path / "rt2")))
+    try:
+        run.start()
+        version, (ref,) = ray.get(run.store.get_if_newer.remote(-1))
+        assert version == 0
+        net = BDQNetwork(SMOKE.net)
+        load_numpy_state(net, ray.get(ref))
+        for k, v in net.state_dict().items():
+            np.testing.assert_array_equal(v.numpy(), init[k])
+        deadline = time.time() + 60
+        while ray.get(run.actors[0].stats.remote())["weight_version"] < 0 and time.time() < deadline:
+            time.sleep(0.2)
+        assert ray.get(run.actors[0].stats.remote())["weight_version"] == 0  # acting with them
+    finally:
+        ray.get(run.store.set_stop.remote(True))
+        for a in run.actors:
+            ray.kill(a, no_restart=True)
+        run.shutdown()
 
 
 def test_rollout_actor_backpressure_bounds_chunks_in_flight(ray_local):
