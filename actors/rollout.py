@@ -109,6 +109,9 @@ class RolloutWorker:
         self._q: Optional[np.ndarray] = None
         self._u: Optional[np.ndarray] = None
         self.slo_penalty = agent_cfg.slo_penalty  # training-only cost per broken class-window (a trainer may adapt it)
+        # Replay warm-up (agent.warmup_uniform): uniform actions until the caller says the
+        # learner has updated (LocalTrainer after its first update, an actor on weights past version 0).
+        self.uniform = bool(agent_cfg.warmup_uniform)
         self.env_steps = 0
         self.episode_reward = np.zeros(sim_cfg.num_shards)
         self.finished_rewards: list[float] = []
@@ -134,7 +137,10 @@ class RolloutWorker:
         o = self.obs
         if self._q is None:
             self._evaluate(o)
-        actions = self.explorer.choose(self._q, self._u)
+        if self.uniform:  # replay warm-up: every sub-action at random
+            actions = self.rng.integers(0, self.sim.n, size=self._q.shape[:2])
+        else:
+            actions = self.explorer.choose(self._q, self._u)
         q_taken = np.take_along_axis(self._q, actions[..., None], -1)[..., 0]  # [S, D]
         if self.recorder is not None:
             self.recorder.decision(o.macro, o.micro, actions)

@@ -286,6 +286,11 @@ class AgentConfig:
     `explore_max_hold`. 0 = plain per-decision epsilon-greedy. A capacity change pays off only
     if held past the provisioning delay, which one-decision dithering never does."""
     explore_max_hold: int = 12
+    warmup_uniform: bool = False
+    """Until the learner's first update, every shard acts uniformly at random on every branch
+    (the replay warm-up of Mnih et al. 2015), instead of the initial network's greedy choice
+    under the epsilon ladder: an untrained network's argmax is an arbitrary, nearly constant
+    action, and the first replay would hold little else."""
     priority_rule: str = "mean"
     """Priority = mean (or sum) over branches of |TD|, the same rule in actors and learner."""
 

@@ -202,6 +202,7 @@ class LocalTrainer:
             raise CheckpointError(f"checkpoint {str(path)!r} cannot be resumed: {type(e).__name__}: {e}") from e
         self.t_offset = float(self.history[-1]["t_s"]) if self.history else 0.0
         self.rollout.weights_changed()
+        self.rollout.uniform = self.cfg.agent.warmup_uniform and self.learner.updates == 0
 
     # -- loop ----------------------------------------------------------------------------
     def train_tick(self) -> None:
@@ -226,6 +227,7 @@ class LocalTrainer:
                 self.rollout.set_preference_active(True)
                 self.pref_active = True
             out = self.learner.update(s.data, s.weights, pb)
+            self.rollout.uniform = False  # the replay warm-up (agent.warmup_uniform) ends with the first update
             self.replay.update_priorities(s.indices, s.generations, out["priorities"])
             self.last_loss = out["loss"]
             self.rollout.weights_changed()

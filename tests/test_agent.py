@@ -327,3 +327,32 @@ def test_policy_selection_in_a_run_and_config_checks(tmp_path):
         TrainConfig(select_every_s=0.0)
     with pytest.raises(ConfigError, match="select_violation_vs_hpa must be > 0"):
         TrainConfig(select_violation_vs_hpa=-1.0)
+
+
+def test_replay_warmup_acts_uniformly_until_the_first_update():
+    """agent.warmup_uniform: before the learner's first update every sub-action of every
+    branch is drawn at random (an untrained network's greedy choice is nearly constant);
+    from the first update on, the epsilon ladder over the network's choices."""
+    base = train.PRESETS["smoke"]
+    cfg = dataclasses.replace(base, agent=dataclasses.replace(base.agent, warmup_uniform=True))
+    tr = train.LocalTrainer(cfg)
+    n = cfg.sim.sub_actions
+    _force_actions(tr.learner.net, (0, 0, 0, 0))
+    seen = []
+    while tr.replay.size + cfg.sim.num_shards < cfg.agent.learning_starts:
+        tr.train_tick()
+        assert tr.learner.updates == 0 and tr.rollout.uniform
+    acts = tr.replay.storage["action"][:tr.replay.size].long()  # [M, D]
+    for d in range(cfg.net.num_branches):
+        counts = torch.bincount(acts[:, d], minlength=n).double()
+        assert (counts > 0).all() and counts.max() / counts.min() < 1.5  # uniform, not the forced 0
+    while tr.learner.updates == 0:
+        tr.train_tick()
+    assert not tr.rollout.uniform
+    # Without the switch the first replay is the untrained network's (here: forced) choice.
+    plain = train.LocalTrainer(base)
+    _force_actions(plain.learner.net, (0, 0, 0, 0))
+    for _ in range(20):
+        plain.train_tick()
+    first = plain.replay.storage["action"][:plain.replay.size].long()
+    assert (first == 0).float().mean() > 0.5
