@@ -287,7 +287,8 @@ class AgentConfig:
     if held past the provisioning delay, which one-decision dithering never does."""
     explore_max_hold: int = 12
     warmup_uniform: bool = False
-    """Until the learner's first update, every shard acts uniformly at random on every branch
+    """Until the learner's first update (Ape-X actors: until weights past version 0 reach
+    them, i.e. the first publication after an update), every shard acts uniformly at random on every branch
     (the replay warm-up of Mnih et al. 2015), instead of the initial network's greedy choice
     under the epsilon ladder: an untrained network's argmax is an arbitrary, nearly constant
     action, and the first replay would hold little else."""
@@ -516,7 +517,7 @@ class TrainConfig:
     """Those checks cover the training range constraint_replicas times with
     constraint_shards shards per copy (about 2 s with the default preset on 2 cores)."""
     select_every_s: Optional[float] = None
-    """Policy selection on a validation split (the local trainer): every this many seconds,
+    """Policy selection on a validation split (local trainer and Ape-X driver): every this many seconds,
     and once at the end, the greedy policy runs on the *training* range (the yardstick of the
     constraint checks: constraint_shards x constraint_replicas, fixed arrivals, so every check
     meets the same requests); the run's policy is the checked one with the highest reward

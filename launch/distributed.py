@@ -184,7 +184,7 @@ class ApexRun:
         # replay never fills with the play of networks the learner does not have.
         if self.resume is not None:
             state = {k: t.detach().cpu().numpy().copy() for k, t in self.resume["learner"]["net"].items()}
-            version = int(self.resume["learner"].get("version", 0))
+            version = int(self.resume["learner"].get("version", self.resume["learner"].get("updates", 0)))
         else:
             state, version = initial_weights(self.cfg), 0
         ray.get(self.store.put.remote(version, state))
@@ -364,8 +364,9 @@ class ApexRun:
             on_progress: Optional[Callable[[dict], None]] = None,
             evaluate: Optional[Callable] = None, validate: Optional[Callable] = None) -> dict:
         """Train for `minutes` (default: the preset's); evaluate(net, ticks) -> dict is called
-        every `eval_every_s` on the newest weights, validate(net, version, t_s) every
-        `select_every_s` (policy selection) when that is set."""
+        every `eval_every_s` on the newest weights, validate(net, version, t_s, updates)
+        every `select_every_s` (policy selection) when that is set; both run in this
+        driver loop (a training-range check takes ~2 s of CPU beside the run)."""
         import ray
         minutes = self.cfg.minutes if minutes is None else minutes
         self.start()
@@ -422,7 +423,7 @@ class ApexRun:
                 next_eval = (time.perf_counter() - t0) + self.cfg.eval_every_s
             if now >= next_check and st.get("version", -1) > 0:
                 net, v = self.current_policy_net()
-                validate(net, v, self.t_offset + now)
+                validate(net, v, self.t_offset + now, int((st.get("learner") or {}).get("updates", v)))
                 next_check = (time.perf_counter() - t0) + self.cfg.select_every_s
             if on_progress is not None:
                 on_progress({**st, "t_s": now})
@@ -472,8 +473,9 @@ def initial_weights(cfg: TrainConfig) -> dict:
     cfg.seed before it builds the network, and so does this."""
     import torch
     from apex_bdq.networks import BDQNetwork
-    torch.manual_seed(cfg.seed)
-    return {k: v.detach().numpy().copy() for k, v in BDQNetwork(cfg.net).state_dict().items()}
+    with torch.random.fork_rng(devices=[]):  # the caller's torch RNG is left as it was
+        torch.manual_seed(cfg.seed)
+        return {k: v.detach().numpy().copy() for k, v in BDQNetwork(cfg.net).state_dict().items()}
 
 
 def copy_checkpoint(result, dest: str | Path) -> Optional[Path]:

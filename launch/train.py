@@ -102,17 +102,20 @@ class PolicySelector:
         net.train()
         return m, self._hpa
 
-    def check(self, net, t_s: float, updates: int) -> dict:
+    def check(self, net, t_s: float, updates: int, version: Optional[int] = None) -> dict:
+        """Score `net` (the weights after `updates` learner updates; `version` the weight
+        version they were published as, which identifies them: default `updates`)."""
         m, hpa = self.train_range(net)
         limit = self.cfg.select_violation_vs_hpa * hpa["slo_violation_rate"]
         feasible = m["slo_violation_rate"] <= limit
         score = (feasible, m["reward"] if feasible else -m["slo_violation_rate"])
-        row = {"t_s": round(t_s, 3), "updates": int(updates), "reward": m["reward"],
+        row = {"t_s": round(t_s, 3), "updates": int(updates), "version": int(updates if version is None else version),
+               "reward": m["reward"],
                "slo_violation_rate": m["slo_violation_rate"], "hpa_reward": hpa["reward"],
                "hpa_slo_violation_rate": hpa["slo_violation_rate"], "limit": limit, "feasible": bool(feasible)}
         if self._best is None or score > self._best[0]:
             self._best = (score, {k: v.detach().clone() for k, v in net.state_dict().items()}, row)
-        row["best_so_far"] = self._best[2]["updates"]
+        row["best_so_far"] = self._best[2]["version"]
         self.log.append(row)
         return row
 
@@ -193,6 +196,7 @@ class LocalTrainer:
             c = ck["counters"]
             self.decisions, self.rollout.env_steps = int(c["decisions"]), int(c["env_steps"])
             self.history = list(c["history"])
+            self.selector.log = list(c.get("selection_log") or [])  # earlier checks; selection starts anew
             if self.cfg.agent.slo_target_vs_hpa is not None and c.get("slo_penalty") is not None:
                 self.rollout.slo_penalty = float(c["slo_penalty"])  # the adapted multiplier carries on
                 self.constraint_log = list(c.get("constraint_log") or [])
@@ -438,7 +442,7 @@ def run_distributed(cfg: TrainConfig, a, spec) -> dict:
     try:
         out = run.run(on_progress=progress,
                       evaluate=lambda net, ticks: evaluate_against_hpa(net, cfg, ticks, cfg.eval_shards, hpa_cache),
-                      validate=(lambda net, v, t_s: selector.check(net, t_s, v)) if selector is not None else None)
+                      validate=(lambda net, v, t_s, upd: selector.check(net, t_s, upd, v)) if selector is not None else None)
         net, version = run.current_policy_net()
     finally:
         if bar is not None:
@@ -446,10 +450,11 @@ def run_distributed(cfg: TrainConfig, a, spec) -> dict:
         run.shutdown()
     selected = None
     if selector is not None:  # the last weights are a candidate too; the best becomes the policy
-        if not selector.log or selector.log[-1]["updates"] != version:
-            selector.check(net, run.t_offset + out["train_seconds"], version)
+        if not selector.log or selector.log[-1]["version"] != version:
+            upd = int((out["status"].get("learner") or {}).get("updates", version))
+            selector.check(net, run.t_offset + out["train_seconds"], upd, version)
         selected = selector.selected
-        if selected["updates"] != version:
+        if selected["version"] != version:
             net.load_state_dict(selector.best_state)
     final = evaluate_against_hpa(net, cfg, cfg.final_eval_ticks, cfg.eval_shards, hpa_cache, cfg.final_eval_replicas)
     st = out["status"]
@@ -463,7 +468,7 @@ def run_distributed(cfg: TrainConfig, a, spec) -> dict:
     if ck is not None:  # with the final evaluation in its learning curve (and the selected policy)
         annotate_checkpoint(ck, {**run.counters(), "history": history,
                                  **({"selection_log": selector.log} if selector is not None else {})},
-                            policy_state=selector.best_state if selected and selected["updates"] != version else None)
+                            policy_state=selector.best_state if selected and selected["version"] != version else None)
     train_s = out["train_seconds"]
     return {**{k: final[k] for k in ("eval_reward", "hpa_eval_reward", "slo_violation_rate", "hpa_slo_violation_rate",
                                      "slo_violation_rate_diff_se") if k in final},
