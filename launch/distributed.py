@@ -364,7 +364,7 @@ class ApexRun:
             on_progress: Optional[Callable[[dict], None]] = None,
             evaluate: Optional[Callable] = None, validate: Optional[Callable] = None) -> dict:
         """Train for `minutes` (default: the preset's); evaluate(net, ticks) -> dict is called
-        every `eval_every_s` on the newest weights, validate(net, version, t_s, updates)
+        every `eval_every_s` on the newest weights, validate(net, version, t_s)
         every `select_every_s` (policy selection) when that is set; both run in this
         driver loop (a training-range check takes ~2 s of CPU beside the run)."""
         import ray
@@ -423,7 +423,7 @@ class ApexRun:
                 next_eval = (time.perf_counter() - t0) + self.cfg.eval_every_s
             if now >= next_check and st.get("version", -1) > 0:
                 net, v = self.current_policy_net()
-                validate(net, v, self.t_offset + now, int((st.get("learner") or {}).get("updates", v)))
+                validate(net, v, self.t_offset + now)
                 next_check = (time.perf_counter() - t0) + self.cfg.select_every_s
             if on_progress is not None:
                 on_progress({**st, "t_s": now})

@@ -119,6 +119,13 @@ class PolicySelector:
         self.log.append(row)
         return row
 
+    def final_check(self, net, t_s: float, updates: int, version: Optional[int] = None) -> dict:
+        """End of a run: the last weights are a candidate too (checked unless the last check
+        was of them); returns the selected check's row."""
+        if not self.log or self.log[-1]["version"] != (updates if version is None else version):
+            self.check(net, t_s, updates, version)
+        return self.selected
+
     @property
     def selected(self) -> Optional[dict]:
         """The best check's row (None before any check)."""
@@ -326,9 +333,8 @@ class LocalTrainer:
             bar.close()
         train_s = time.perf_counter() - t0
         selected = None
-        if selecting:  # the last weights are a candidate too
-            if not self.selector.log or self.selector.log[-1]["updates"] != self.learner.updates:
-                self.validate(train_s)
+        if selecting:
+            self.selector.final_check(self.learner.net, self.t_offset + train_s, self.learner.updates)
             selected = self.select_policy()
         final = self.evaluate(cfg.final_eval_ticks, cfg.eval_shards, cfg.final_eval_replicas)
         self.history.append({"t_s": self.t_offset + train_s, "env_steps": self.rollout.env_steps, "updates": self.learner.updates,
@@ -442,18 +448,16 @@ def run_distributed(cfg: TrainConfig, a, spec) -> dict:
     try:
         out = run.run(on_progress=progress,
                       evaluate=lambda net, ticks: evaluate_against_hpa(net, cfg, ticks, cfg.eval_shards, hpa_cache),
-                      validate=(lambda net, v, t_s, upd: selector.check(net, t_s, upd, v)) if selector is not None else None)
+                      # a published version is the learner's update count when it was published
+                      validate=(lambda net, v, t_s: selector.check(net, t_s, v, v)) if selector is not None else None)
         net, version = run.current_policy_net()
     finally:
         if bar is not None:
             bar.close()
         run.shutdown()
     selected = None
-    if selector is not None:  # the last weights are a candidate too; the best becomes the policy
-        if not selector.log or selector.log[-1]["version"] != version:
-            upd = int((out["status"].get("learner") or {}).get("updates", version))
-            selector.check(net, run.t_offset + out["train_seconds"], upd, version)
-        selected = selector.selected
+    if selector is not None:  # the best checked weights become the policy
+        selected = selector.final_check(net, run.t_offset + out["train_seconds"], version, version)
         if selected["version"] != version:
             net.load_state_dict(selector.best_state)
     final = evaluate_against_hpa(net, cfg, cfg.final_eval_ticks, cfg.eval_shards, hpa_cache, cfg.final_eval_replicas)
