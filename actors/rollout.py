@@ -20,7 +20,7 @@ from apex_bdq.config import AgentConfig, PreferenceConfig, SimConfig
 from apex_bdq.nstep import NStepAccumulator, Transitions
 from apex_bdq.networks import BDQNetwork
 from apex_bdq.preference import Segment
-from apex_bdq.sim.platform import PlatformSim
+from apex_bdq.sim.platform import P99_Q, PlatformSim
 from learner.learner import Explorer, act_values
 
 
@@ -109,6 +109,12 @@ class RolloutWorker:
         self._q: Optional[np.ndarray] = None
         self._u: Optional[np.ndarray] = None
         self.slo_penalty = agent_cfg.slo_penalty  # training-only cost per broken class-window (a trainer may adapt it)
+        # Dense surrogate (agent.slo_burn_penalty): each class's error-budget burn in the open
+        # window, accumulated tick by tick; the charge is the growth of min(burn, cap).
+        self.burn_penalty = agent_cfg.slo_burn_penalty
+        self.burn_cap = agent_cfg.slo_burn_cap
+        self.burn = np.zeros((sim_cfg.num_shards, sim_cfg.num_classes))
+        self._burn_unit = self.sim.inv_mean_n / (P99_Q * self.sim.W)  # [K] burn per late request
         # Replay warm-up (agent.warmup_uniform): uniform actions until the caller says the
         # learner has updated (LocalTrainer after its first update, an actor on weights past version 0).
         self.uniform = bool(agent_cfg.warmup_uniform)
@@ -158,6 +164,8 @@ class RolloutWorker:
                 self.recorder.tick(info, over)
             if lam and info["window_violated"] is not None:
                 reward = reward - lam * info["window_violated"].sum(1)  # [S] broken class-windows
+            if self.burn_penalty:
+                reward = reward - self.burn_penalty * self._burn_step(info)
             block += (g ** i) * reward
             if truncated:
                 break
@@ -183,12 +191,23 @@ class RolloutWorker:
             self.finished_rewards.extend((self.episode_reward / self.sim.t).tolist())
             self.episode_reward[:] = 0
             nxt = self.sim.reset()
+            self.burn[:] = 0.0
             self._q = None
             self.explorer.reset()
             if self.recorder is not None:
                 self.recorder.reset()
         self.obs = nxt
         return out
+
+    def _burn_step(self, info: dict) -> np.ndarray:
+        """[S] growth of sum_k min(burn_k, cap) this tick; at a window's close (the tick whose
+        requests end it) the burn starts again from 0."""
+        before = np.minimum(self.burn, self.burn_cap)
+        self.burn += info["late_requests"] * self._burn_unit
+        grown = (np.minimum(self.burn, self.burn_cap) - before).sum(1)
+        if info["window_violated"] is not None:
+            self.burn[:] = 0.0
+        return grown
 
     def _priority(self, tr: Transitions, v_next: np.ndarray) -> np.ndarray:
         """|TD| of each transition, y = R + discount * v_next against Q_d(s, a_d), aggregated

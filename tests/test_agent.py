@@ -366,3 +366,51 @@ def test_replay_warmup_acts_uniformly_until_the_first_update():
         plain.train_tick()
     first = plain.replay.storage["action"][:plain.replay.size].long()
     assert (first == 0).float().mean() > 0.5
+
+
+def test_slo_burn_penalty_charges_each_windows_capped_error_budget_burn_tick_by_tick():
+    """agent.slo_burn_penalty: a class-window costs mu x min(burn, cap), burn = its late (or
+    dropped) requests over the 1 % the SLO allows of an average window's requests, charged
+    as the burn grows and started afresh at every window's close and episode end. Replayed
+    against the simulator's own accounting (the late requests of a window are the ones that
+    decide whether it broke)."""
+    W = 4
+    sim = SimConfig(num_shards=4, episode_s=22.0, accounting_window_s=float(W), headroom_min=0.6, headroom_max=1.2)
+    mu, cap = 7.0, 0.5
+    agent = AgentConfig(n_step=1, decision_ticks=2, gamma=1.0, reward_scale=1.0, slo_burn_penalty=mu, slo_burn_cap=cap)
+    net = Learner(NetConfig.for_sim(sim), agent).net
+    _force_actions(net, (0, 0, 0, 0))  # too little capacity: late requests in most windows
+    w = RolloutWorker(sim, agent, net, seed=3)
+    got = [w.step() for _ in range(22)]  # two episodes of 11 decisions (the second reset mid-window)
+    trs = [t for t in got if t is not None]
+    ref = PlatformSim(sim.replace(seed=3))
+    ref.reset(seed=3)
+    unit = ref.inv_mean_n / (0.01 * W)
+    burn = np.zeros((4, ref.K))
+    charges, saturated = [], 0
+    for j, tr in enumerate(trs):
+        if j == 11:  # the episode ended after 11 decisions (22 ticks): a fresh one, burn from 0
+            ref.reset()
+            burn[:] = 0.0
+        expect = np.zeros(4)
+        for _ in range(2):
+            _, r, _, info = ref.step(tr.action.astype(np.int64))
+            before = np.minimum(burn, cap).sum(1)
+            burn += info["late_requests"] * unit
+            charge = np.minimum(burn, cap).sum(1) - before
+            charges.append(charge)
+            expect += r - mu * charge
+            if info["window_violated"] is not None:
+                # the window closed (its late requests decided whether it broke): burn from 0
+                saturated += int((burn >= cap).sum())
+                burn[:] = 0.0
+            else:  # the burn follows the simulator's own count of the open window's late requests
+                np.testing.assert_allclose(ref.win_late, burn / unit, rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(tr.reward, expect, rtol=1e-5, atol=1e-4)
+    charges = np.array(charges)
+    assert (charges >= -1e-9).all() and charges.sum() > 0
+    assert saturated > 0  # some class-windows reach the cap and then cost no more
+    with pytest.raises(ConfigError, match="slo_burn_cap"):
+        AgentConfig(slo_burn_cap=0.0)
+    with pytest.raises(ConfigError, match="slo_burn_penalty"):
+        AgentConfig(slo_burn_penalty=-1.0)

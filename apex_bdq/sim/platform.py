@@ -381,7 +381,8 @@ class PlatformSim:
         revenue = cfg.revenue_per_work * work_s
         drop_pen = cfg.drop_penalty * ((drops * self.inv_mu) @ ones)
         self.win_req += arrivals
-        self.win_late += late * admitted + drops
+        late_req = late * admitted + drops  # [S, K] requests past their SLO this tick (drops count as late)
+        self.win_late += late_req
         self.win_work += arrivals * self.inv_mu  # work offered to each class
         win = self.win
         win[0] += busy
@@ -444,6 +445,7 @@ class PlatformSim:
             "slo_violation": ((p99 > self.slo) @ ones) > 0,
             "window_violated": violated,
             # platform state
+            "late_requests": late_req,
             "p99_s": p99, "utilisation": util, "servers": servers, "pending": pend,
             "arrivals": arrivals, "served_requests": served, "dropped": drops, "backlog": backlog,
             "offered_erlangs": offered,
