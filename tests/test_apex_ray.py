@@ -197,3 +197,31 @@ def test_two_node_cluster_places_components_by_node_type(tmp_path):
         cluster.shutdown()
 
 
+
+
+def test_policy_selection_on_the_apex_path_keeps_the_selected_published_weights(ray_local, tmp_path):
+    """`launch.train --set select_every_s=S` on Ray: the driver checks published weights on
+    the training range, the end-of-run check covers the final version, and the checkpoint
+    (and the final evaluation) carry the selected version's weights: re-scoring the
+    checkpoint's policy on the same yardstick gives the selected row's figures exactly."""
+    import json
+    from launch.train import PolicySelector
+    out, ck = tmp_path / "run.json", tmp_path / "ck.pt"
+    rc = train.main(["--preset", "smoke", "--minutes", "0.6", "--num-actors", "1", "--publish-every", "5",
+                     "--set", "select_every_s=4", "--set", "constraint_shards=8", "--set", "constraint_replicas=1",
+                     "--storage-path", str(tmp_path / "ray_train"), "--checkpoint", str(ck), "--checkpoint-every", "3",
+                     "--json", str(out), "--quiet"])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    log, sel = res["selection_log"], res["selected"]
+    assert len(log) >= 2, log  # periodic checks plus the end-of-run check
+    assert log[-1]["version"] == res["weight_version"]  # the final published weights were a candidate
+    assert sel in log
+    feasible = [r for r in log if r["feasible"]]
+    best = max(feasible, key=lambda r: r["reward"]) if feasible else min(log, key=lambda r: r["slo_violation_rate"])
+    assert (sel["reward"], sel["slo_violation_rate"]) == (best["reward"], best["slo_violation_rate"])
+    cfg = train.apply_overrides(train.PRESETS["smoke"], ["constraint_shards=8", "constraint_replicas=1",
+                                                         "select_every_s=4"])
+    m, _ = PolicySelector(cfg).train_range(load_policy(ck, cfg.sim).net)
+    assert m["reward"] == pytest.approx(sel["reward"], rel=1e-9)
+    assert m["slo_violation_rate"] == pytest.approx(sel["slo_violation_rate"], rel=1e-9)
