@@ -306,6 +306,14 @@ class AgentConfig:
     (the replay warm-up of Mnih et al. 2015), instead of the initial network's greedy choice
     under the epsilon ladder: an untrained network's argmax is an arbitrary, nearly constant
     action, and the first replay would hold little else."""
+    initial_policy: str = "network"
+    """What the untrained network does: "network" = whatever its random initialisation's
+    argmax is (an arbitrary, nearly constant action: capacity tier 1, 0, 3, 1, 4 for seeds
+    0-4 of the default preset), "default" = the platform's default setting (the middle
+    capacity tier, proportional shares, admit all, full speed; the advantage branches'
+    output layer starts at zero with that sub-action a 0.01 tie-break ahead), so the first
+    replay and the exploration ladder start from what an operator would run, not from a
+    random configuration."""
     priority_rule: str = "mean"
     """Priority = mean (or sum) over branches of |TD|, the same rule in actors and learner."""
 
@@ -339,6 +347,8 @@ class AgentConfig:
         _check(self.explore_hold_mu == 0 or self.explore_hold_mu > 1,
                f"agent.explore_hold_mu must be 0 (off) or > 1 (a Zipf exponent), got {self.explore_hold_mu!r}")
         _check(self.explore_max_hold >= 1, f"agent.explore_max_hold must be >= 1, got {self.explore_max_hold!r}")
+        _check(self.initial_policy in ("network", "default"),
+               f"agent.initial_policy must be 'network' or 'default', got {self.initial_policy!r}")
         _check(self.priority_rule in ("mean", "sum"),
                f"agent.priority_rule must be 'mean' or 'sum', got {self.priority_rule!r}")
 

@@ -97,6 +97,19 @@ class BranchingDuelingHead(nn.Module):
         nn.init.uniform_(self.b1, -bound1, bound1)
         nn.init.uniform_(self.b2, -bound2, bound2)
 
+    @torch.no_grad()
+    def start_from(self, actions, margin: float = 0.01) -> None:
+        """Make the untrained head's greedy choice `actions` (one sub-action per branch): the
+        advantage branches' output layer starts at zero (every sub-action ties, gradients still
+        reach it) and the given sub-action's bias is `margin` above the others."""
+        D, n = self.b2.shape[0], self.b2.shape[1] // self.N
+        if len(actions) != D or not all(0 <= int(a) < n for a in actions):
+            raise ValueError(f"start_from needs one sub-action in [0, {n}) per branch ({D}), got {tuple(actions)!r}")
+        self.w2.zero_()
+        self.b2.zero_()
+        for d, a in enumerate(actions):
+            self.b2[d, int(a) * self.N:(int(a) + 1) * self.N] = margin
+
     def advantages(self, z: torch.Tensor) -> torch.Tensor:  # [B, Z] -> [B, D, n] (x N quantiles: [B, D, n, N])
         hid = torch.relu(torch.einsum("bz,dzh->bdh", z, self.w1) + self.b1)
         a = torch.einsum("bdh,dhn->bdn", hid, self.w2) + self.b2

@@ -473,9 +473,11 @@ def initial_weights(cfg: TrainConfig) -> dict:
     cfg.seed before it builds the network, and so does this."""
     import torch
     from apex_bdq.networks import BDQNetwork
+    from learner.learner import apply_initial_policy
     with torch.random.fork_rng(devices=[]):  # the caller's torch RNG is left as it was
         torch.manual_seed(cfg.seed)
-        return {k: v.detach().numpy().copy() for k, v in BDQNetwork(cfg.net).state_dict().items()}
+        net = apply_initial_policy(BDQNetwork(cfg.net), cfg.agent)
+        return {k: v.detach().numpy().copy() for k, v in net.state_dict().items()}
 
 
 def copy_checkpoint(result, dest: str | Path) -> Optional[Path]:

@@ -33,7 +33,7 @@ from apex_bdq.checkpoint import config_to_dict, save_checkpoint
 from apex_bdq.config import train_config_from_dict
 from apex_bdq.networks import BDQNetwork
 from apex_bdq.ray_util import answers
-from learner.learner import batch_td_loss
+from learner.learner import apply_initial_policy, batch_td_loss
 from replay_server.rate_limiter import RateLimiter
 from replay_server.replay import PrioritizedReplay
 
@@ -266,7 +266,7 @@ def train_loop_per_worker(config: dict) -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if config.get("use_gpu") and torch.cuda.is_available() \
         else torch.device("cpu")
     torch.manual_seed(cfg.seed)  # same initial weights on every rank
-    net = BDQNetwork(cfg.net)
+    net = apply_initial_policy(BDQNetwork(cfg.net), cfg.agent)
     resume = config.get("resume")
     base_updates = int(resume["learner"].get("updates", 0)) if resume else 0  # max_updates counts from here
     # A restarted worker group (Ray Train's FailureConfig) starts from the last checkpoint it

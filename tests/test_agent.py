@@ -414,3 +414,38 @@ def test_slo_burn_penalty_charges_each_windows_capped_error_budget_burn_tick_by_
         AgentConfig(slo_burn_cap=0.0)
     with pytest.raises(ConfigError, match="slo_burn_penalty"):
         AgentConfig(slo_burn_penalty=-1.0)
+
+
+@pytest.mark.parametrize("quantiles", [0, 4])
+def test_initial_policy_default_starts_from_the_platforms_default_setting(quantiles):
+    """agent.initial_policy="default": the untrained network's greedy choice is the
+    platform's default setting on any observation (the local learner and the Ape-X
+    driver's version 0 alike), and the first updates still move the zeroed output layer."""
+    from apex_bdq.sim.baselines import default_action
+    from launch.distributed import initial_weights
+    base = train.PRESETS["smoke"]
+    cfg = dataclasses.replace(base, net=dataclasses.replace(base.net, quantiles=quantiles),
+                              agent=dataclasses.replace(base.agent, initial_policy="default"))
+    want = default_action(cfg.net.num_branches, cfg.net.sub_actions)
+    assert want == (2, 2, 0, 4)  # middle capacity tier, proportional shares, admit all, full speed
+    tr = train.LocalTrainer(cfg)
+    g = torch.Generator().manual_seed(0)
+    macro = torch.randn(64, cfg.net.macro_features, generator=g) * 3
+    micro = torch.randn(64, cfg.net.num_classes, cfg.net.history, cfg.net.micro_features, generator=g) * 3
+    with torch.no_grad():
+        greedy = tr.learner.net(macro, micro).argmax(-1)
+    assert (greedy == torch.tensor(want)).all()
+    v0 = initial_weights(cfg)  # what the Ape-X actors act on before the learner's first publication
+    for k, v in tr.learner.net.state_dict().items():
+        np.testing.assert_array_equal(v.numpy(), v0[k])
+    # Without it, the same seed's random init picks something else on some branch.
+    plain = train.LocalTrainer(base)
+    with torch.no_grad():
+        assert (plain.learner.net(macro, micro).argmax(-1) != torch.tensor(want)).any()
+    while tr.learner.updates < 3:
+        tr.train_tick()
+    assert tr.learner.net.head.w2.abs().sum() > 0  # the zeroed layer learns
+    with pytest.raises(ConfigError, match="initial_policy"):
+        AgentConfig(initial_policy="random")
+    with pytest.raises(ValueError, match="one sub-action in"):
+        tr.learner.net.head.start_from((0, 1, 2))

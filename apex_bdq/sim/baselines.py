@@ -29,12 +29,16 @@ class Policy(Protocol):
         """Return (actions [S, D], capacity_target [S, P] or None)."""
 
 
+def default_action(D: int, n: int) -> tuple[int, ...]:
+    """The platform's default setting, one sub-action per branch: the middle capacity tier,
+    proportional class shares, admit everything, full speed."""
+    return tuple([n // 2] * (D - 2) + [0, n - 1])
+
+
 def default_actions(sim: PlatformSim) -> np.ndarray:
-    """Hold capacity, proportional class shares, admit everything, full speed."""
+    """`default_action` for every shard [S, D]."""
     a = np.empty((sim.S, sim.D), dtype=np.int64)
-    a[:] = sim.n // 2
-    a[:, -2] = 0
-    a[:, -1] = sim.n - 1
+    a[:] = default_action(sim.D, sim.n)
     return a
 
 
