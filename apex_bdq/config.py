@@ -38,12 +38,20 @@ class TraceConfig:
     `_1s` suffix in the file name."""
     eval_fraction: float = 0.25
     """The last `eval_fraction` of the trace is held out for evaluation."""
+    validation_fraction: float = 0.0
+    """The last `validation_fraction` of the part before the held-out range becomes a
+    validation range (split "val"): trained on by nothing, looked at by policy selection
+    (train.select_every_s), so the held-out range stays a test set. 0 = none: selection then
+    scores on the training range. The rates' normalisation covers training and validation
+    together, so the held-out range is the same trace with or without it."""
     poisson_noise: bool = True
     """Draw per-tick arrivals from Poisson(rate * tick); off gives the fluid mean."""
 
     def __post_init__(self) -> None:
         _check(0.0 < self.eval_fraction < 1.0,
                f"trace.eval_fraction must be in (0, 1), got {self.eval_fraction!r}")
+        _check(0.0 <= self.validation_fraction < 1.0,
+               f"trace.validation_fraction must be in [0, 1), got {self.validation_fraction!r}")
         _check(self.interval_s is None or self.interval_s > 0,
                f"trace.interval_s must be > 0, got {self.interval_s!r}")
         if self.columns is not None:
@@ -628,28 +636,29 @@ def _parse_override(key: str, raw: str, hint: Any) -> Any:
 
 
 def apply_overrides(cfg: TrainConfig, items: list[str]) -> TrainConfig:
-    """Apply `section.key=value` overrides (sections: sim, agent, net, or none for the top
-    level), parsing each value as the type of the field it replaces. Unknown keys and values
-    that do not parse raise ConfigError naming them."""
+    """Apply `section.key=value` overrides (sections: sim, agent, net, pref, sim.trace, or
+    none for the top level), parsing each value as the type of the field it replaces.
+    Unknown keys and values that do not parse raise ConfigError naming them."""
     for item in items:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not KEY=VALUE (e.g. agent.lr=3e-4)")
         key, raw = item.split("=", 1)
         parts = key.strip().split(".")
-        if len(parts) == 1:
-            section, name = None, parts[0]
-        elif len(parts) == 2 and parts[0] in ("sim", "agent", "net", "pref"):
-            section, name = parts
-        else:
-            raise ConfigError(f"override key {key!r}: use NAME or sim.NAME, agent.NAME, net.NAME, pref.NAME")
-        target = cfg if section is None else getattr(cfg, section)
+        sections, name = parts[:-1], parts[-1]
+        if sections not in ([], ["sim"], ["agent"], ["net"], ["pref"], ["sim", "trace"]):
+            raise ConfigError(f"override key {key!r}: use NAME or sim.NAME, agent.NAME, net.NAME, pref.NAME, "
+                              "sim.trace.NAME")
+        chain = [cfg]  # the dataclasses from the top down to the one holding `name`
+        for sec in sections:
+            chain.append(getattr(chain[-1], sec))
+        target = chain[-1]
         names = {f.name for f in dataclasses.fields(target)}
         if name not in names:
             raise ConfigError(f"override {key!r}: {type(target).__name__} has no field {name!r} "
                               f"(fields: {', '.join(sorted(names))})")
         val = _parse_override(key, raw, typing.get_type_hints(type(target))[name])
-        if section is None:
-            cfg = dataclasses.replace(cfg, **{name: val})
-        else:
-            cfg = dataclasses.replace(cfg, **{section: dataclasses.replace(target, **{name: val})})
+        new = dataclasses.replace(target, **{name: val})
+        for parent, sec in zip(reversed(chain[:-1]), reversed(sections)):  # rebuild upwards
+            new = dataclasses.replace(parent, **{sec: new})
+        cfg = new
     return cfg

@@ -77,39 +77,49 @@ def evaluate_against_hpa(net, cfg: TrainConfig, ticks: Optional[int], shards: in
 
 
 class PolicySelector:
-    """Policy selection on a validation split (train.select_every_s): each check runs a
-    network's greedy policy on the *training* range (constraint_shards x constraint_replicas,
-    fixed arrivals, so every check meets the same requests; HPA there once) and keeps its
-    weights if it is the best so far: feasible (violation rate <= select_violation_vs_hpa x
-    HPA's) before infeasible, then the higher reward among feasible checks and the lower
-    violation rate among infeasible ones. The held-out range stays unseen: the final
-    evaluation there judges the selected policy as it would any other."""
+    """Policy selection (train.select_every_s): each check runs a network's greedy policy on
+    the validation range when the trace has one (trace.validation_fraction > 0), else on the
+    training range (fixed arrivals, so every check meets the same requests; HPA there once),
+    and keeps its weights if it is the best so far: feasible (violation rate <=
+    select_violation_vs_hpa x HPA's) before infeasible, then the higher reward among feasible
+    checks and the lower violation rate among infeasible ones. The held-out range stays
+    unseen: the final evaluation there judges the selected policy as it would any other.
+    The dual-ascent SLO controller (agent.slo_target_vs_hpa) uses `train_range`."""
 
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
+        self.split = "val" if cfg.sim.trace.validation_fraction > 0 else "train"
         self.log: list[dict] = []  # one row per check
-        self._hpa: Optional[dict] = None
+        self._hpa: dict = {}  # per split
         self._best: Optional[tuple] = None  # (score, state_dict, row)
+
+    def metrics(self, net, split: str) -> tuple[dict, dict]:
+        """The greedy `net`'s and HPA's metrics on `split`: the training range as
+        constraint_shards x constraint_replicas shards; the (shorter) validation range as 8
+        shards x the same number of simulator shards in copies."""
+        c = self.cfg
+        shards, replicas = c.constraint_shards, c.constraint_replicas
+        if split == "val":
+            shards, replicas = 8, max(1, c.constraint_shards * c.constraint_replicas // 8)
+        if split not in self._hpa:
+            self._hpa[split] = evaluate_policy(HPA(), c.sim, shards=shards, replicas=replicas, split=split).metrics
+        m = evaluate_policy(GreedyPolicy(net, c.agent.decision_ticks), c.sim, shards=shards, replicas=replicas,
+                            split=split).metrics
+        net.train()
+        return m, self._hpa[split]
 
     def train_range(self, net) -> tuple[dict, dict]:
         """The greedy `net`'s and HPA's metrics on the training range."""
-        c = self.cfg
-        if self._hpa is None:
-            self._hpa = evaluate_policy(HPA(), c.sim, shards=c.constraint_shards, replicas=c.constraint_replicas,
-                                        split="train").metrics
-        m = evaluate_policy(GreedyPolicy(net, c.agent.decision_ticks), c.sim, shards=c.constraint_shards,
-                            replicas=c.constraint_replicas, split="train").metrics
-        net.train()
-        return m, self._hpa
+        return self.metrics(net, "train")
 
     def check(self, net, t_s: float, updates: int, version: Optional[int] = None) -> dict:
         """Score `net` (the weights after `updates` learner updates; `version` the weight
         version they were published as, which identifies them: default `updates`)."""
-        m, hpa = self.train_range(net)
+        m, hpa = self.metrics(net, self.split)
         limit = self.cfg.select_violation_vs_hpa * hpa["slo_violation_rate"]
         feasible = m["slo_violation_rate"] <= limit
         score = (feasible, m["reward"] if feasible else -m["slo_violation_rate"])
-        row = {"t_s": round(t_s, 3), "updates": int(updates), "version": int(updates if version is None else version),
+        row = {"t_s": round(t_s, 3), "split": self.split, "updates": int(updates), "version": int(updates if version is None else version),
                "reward": m["reward"],
                "slo_violation_rate": m["slo_violation_rate"], "hpa_reward": hpa["reward"],
                "hpa_slo_violation_rate": hpa["slo_violation_rate"], "limit": limit, "feasible": bool(feasible)}

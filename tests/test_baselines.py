@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from apex_bdq.config import SimConfig, TraceConfig
+from apex_bdq.config import ConfigError, SimConfig, TraceConfig
 from apex_bdq.evaluation import evaluate_policy
 from apex_bdq.sim.baselines import HPA, QueueThreshold, RandomPolicy, StaticPeak, TargetTracking, make_baseline
 from apex_bdq.sim.platform import PlatformSim
@@ -172,3 +172,30 @@ def test_training_range_yardstick_with_even_phases():
         PlatformSim(cfg, phases="spread")
     with pytest.raises(ValueError, match=r"eval_replicas=2 needs evenly spaced phases"):
         PlatformSim(cfg, split="train", eval_replicas=2)
+
+
+def test_validation_range_lies_between_training_and_held_out_and_leaves_the_test_set_alone():
+    """trace.validation_fraction carves the last part of the pre-held-out trace into a
+    validation range: the three ranges partition the trace, the held-out range and the rates
+    (normalised over training + validation) are what they were without it, training shards
+    start only in the shortened training range, and split="val" without one says so."""
+    plain = SimConfig(num_shards=8)
+    cfg = plain.replace(trace=TraceConfig(validation_fraction=0.2))
+    r0, r = PlatformSim(plain).rates, PlatformSim(cfg).rates
+    assert r.train[0] == 0 and r.train[1] == r.val[0] and r.val[1] == r.eval[0] == r0.eval[0]
+    assert r.eval == r0.eval and r.train[1] == round(r0.train[1] * 0.8)
+    np.testing.assert_array_equal(r.rates, r0.rates)
+    tr = PlatformSim(cfg.replace(num_shards=256))
+    assert (tr.offset >= r.train[0]).all() and (tr.offset < r.train[1]).all()
+    va = PlatformSim(cfg, split="val")
+    lo, hi = r.val
+    assert sorted(va.offset.tolist()) == [lo + i * (hi - lo) // 8 for i in range(8)]
+    e0 = evaluate_policy(HPA(), plain, shards=4, ticks=60).metrics
+    e1 = evaluate_policy(HPA(), cfg, shards=4, ticks=60).metrics
+    assert e0["reward"] == e1["reward"] and e0["slo_violation_rate"] == e1["slo_violation_rate"]
+    v = evaluate_policy(HPA(), cfg, shards=4, ticks=60, split="val").metrics
+    assert v["reward"] != e1["reward"]
+    with pytest.raises(ValueError, match=r"no 'val' range \(set trace.validation_fraction > 0\)"):
+        PlatformSim(plain, split="val")
+    with pytest.raises(ConfigError, match="validation_fraction must be in"):
+        TraceConfig(validation_fraction=1.0)

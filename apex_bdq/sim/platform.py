@@ -55,9 +55,9 @@ class Observation:
 
 @functools.lru_cache(maxsize=8)
 def _cached_rates(cfg_key: tuple) -> TickRates:
-    (path, _stamp, columns, interval_s, tick_s, k, svc, share, load, eval_frac) = cfg_key
+    (path, _stamp, columns, interval_s, tick_s, k, svc, share, load, eval_frac, val_frac) = cfg_key
     tr = load_trace(path, columns, interval_s)
-    return make_tick_rates(tr, tick_s, k, svc, share, load, eval_frac)
+    return make_tick_rates(tr, tick_s, k, svc, share, load, eval_frac, val_frac)
 
 
 def make_rates(cfg: SimConfig) -> TickRates:
@@ -71,13 +71,14 @@ def make_rates(cfg: SimConfig) -> TickRates:
     except OSError:
         stamp = None  # load_trace reports the missing file
     return _cached_rates((path, stamp, columns, t.interval_s, cfg.tick_s, cfg.num_classes, cfg.service_time_s,
-                          cfg.shares, cfg.mean_load_erlangs, t.eval_fraction))
+                          cfg.shares, cfg.mean_load_erlangs, t.eval_fraction, t.validation_fraction))
 
 
 class PlatformSim:
     """Vectorised simulator; see the module docstring for the dynamics.
 
-    split: "train" (the training range) or "eval" (the held-out range).
+    split: "train" (the training range), "val" (the validation range, when
+    trace.validation_fraction > 0) or "eval" (the held-out range).
     phases: "random" (a random phase per shard at reset: how the trainer explores) or "even"
     (phases evenly spaced over the range, so S shards x range/S ticks cover it once: how a
     policy is evaluated). Default: random on "train", even on "eval".
@@ -94,8 +95,8 @@ class PlatformSim:
     def __init__(self, cfg: SimConfig = SimConfig(), split: str = "train",
                  rates: Optional[TickRates] = None, copy_obs: bool = True, eval_replicas: int = 1,
                  phases: Optional[str] = None) -> None:
-        if split not in ("train", "eval"):
-            raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+        if split not in ("train", "val", "eval"):
+            raise ValueError(f"split must be 'train', 'val' or 'eval', got {split!r}")
         phases = phases if phases is not None else ("random" if split == "train" else "even")
         if phases not in ("random", "even"):
             raise ValueError(f"phases must be 'random' or 'even', got {phases!r}")
@@ -115,7 +116,7 @@ class PlatformSim:
         S, K, H, n = cfg.num_shards, cfg.num_classes, cfg.history, cfg.sub_actions
         self.S, self.K, self.H, self.n, self.P, self.D = S, K, H, n, cfg.num_pools, cfg.num_branches
         self.dt = cfg.tick_s
-        self.range = self.rates.train if split == "train" else self.rates.eval
+        self.range = self.rates.split_range(split)
         self.range_len = self.range[1] - self.range[0]
         f32 = np.float32
         svc_time = np.asarray(cfg.service_time_s, dtype=np.float64)

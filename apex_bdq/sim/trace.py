@@ -148,6 +148,17 @@ class TickRates:
     eval: tuple[int, int]  # [start, end) tick range held out for evaluation
     source: str
     columns: tuple[str, ...]
+    val: tuple[int, int] = (0, 0)  # [start, end) validation range (between the two); empty = none
+
+    def split_range(self, split: str) -> tuple[int, int]:
+        """The [start, end) ticks of split "train", "val" or "eval"."""
+        if split not in ("train", "val", "eval"):
+            raise ValueError(f"split must be 'train', 'val' or 'eval', got {split!r}")
+        r = getattr(self, split)
+        if r[1] <= r[0]:
+            raise ValueError(f"trace {self.source!r} has no {split!r} range"
+                             + (" (set trace.validation_fraction > 0)" if split == "val" else ""))
+        return r
 
 
 def resample(trace: Trace, tick_s: float) -> tuple[np.ndarray, np.ndarray]:
@@ -164,7 +175,8 @@ def resample(trace: Trace, tick_s: float) -> tuple[np.ndarray, np.ndarray]:
 
 
 def make_tick_rates(trace: Trace, tick_s: float, num_classes: int, service_time_s: Sequence[float],
-                    class_share: Sequence[float], mean_load_erlangs: float, eval_fraction: float) -> TickRates:
+                    class_share: Sequence[float], mean_load_erlangs: float, eval_fraction: float,
+                    validation_fraction: float = 0.0) -> TickRates:
     """Resample, map columns to classes, normalise each class to its share of the mean load.
 
     One column is split over the K classes by `class_share`; K columns map one-to-one. The
@@ -187,5 +199,9 @@ def make_tick_rates(trace: Trace, tick_s: float, num_classes: int, service_time_
         raise TraceError(f"trace file {trace.path!r}: class {k} has no arrivals in the training range")
     target_rate = np.asarray(class_share) * mean_load_erlangs / np.asarray(service_time_s)  # [K] per second
     rates = rates * (target_rate / mean_train)
+    val = int(round(split * (1.0 - validation_fraction)))
+    if validation_fraction > 0 and not (1 <= val < split):
+        raise TraceError(f"trace file {trace.path!r}: {split} ticks before the held-out range are too few to "
+                         f"split at validation_fraction={validation_fraction}")
     return TickRates(rates=rates.astype(np.float32), time_of_day=tod.astype(np.float32),
-                     train=(0, split), eval=(split, n), source=trace.path, columns=trace.columns)
+                     train=(0, val), eval=(split, n), source=trace.path, columns=trace.columns, val=(val, split))
