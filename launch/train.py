@@ -409,7 +409,8 @@ def _print_final(res: dict, checkpoint: Optional[str]) -> None:
     sel = res.get("selected")
     if sel is not None:
         print(f"policy selection: the weights at update {sel['updates']:,} ({sel['t_s']:.0f} s; "
-              f"{len(res['selection_log'])} checks on the training range: reward {sel['reward']:.4f} vs HPA "
+              f"{len(res['selection_log'])} checks on the {'validation' if sel.get('split') == 'val' else 'training'} "
+              f"range: reward {sel['reward']:.4f} vs HPA "
               f"{sel['hpa_reward']:.4f}, violation rate {sel['slo_violation_rate']:.4f} vs limit {sel['limit']:.4f})")
     if checkpoint:
         print(f"checkpoint: {checkpoint}")

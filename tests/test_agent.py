@@ -9,7 +9,7 @@ import torch
 
 from actors.rollout import RolloutWorker
 from apex_bdq.checkpoint import CheckpointError, load_checkpoint, load_policy
-from apex_bdq.config import AgentConfig, ConfigError, NetConfig, SimConfig, TrainConfig
+from apex_bdq.config import AgentConfig, ConfigError, NetConfig, SimConfig, TrainConfig, apply_overrides
 from apex_bdq.nstep import NStepAccumulator
 from launch import evaluate, train
 from learner.learner import Learner
@@ -449,3 +449,23 @@ def test_initial_policy_default_starts_from_the_platforms_default_setting(quanti
         AgentConfig(initial_policy="random")
     with pytest.raises(ValueError, match="one sub-action in"):
         tr.learner.net.head.start_from((0, 1, 2))
+
+
+def test_policy_selection_scores_on_the_validation_range_when_there_is_one():
+    base = train.PRESETS["smoke"]
+    cfg = apply_overrides(base, ["sim.trace.validation_fraction=0.2", "select_every_s=5", "constraint_shards=8",
+                                 "constraint_replicas=1"])
+    tr = train.LocalTrainer(cfg)
+    row = tr.validate(1.0)
+    assert row["split"] == "val"
+    from apex_bdq.evaluation import evaluate_policy
+    from apex_bdq.sim.baselines import HPA
+    hpa_val = evaluate_policy(HPA(), cfg.sim, shards=8, replicas=1, split="val").metrics
+    assert row["hpa_reward"] == hpa_val["reward"]  # HPA on the validation range, not the training range
+    assert train.PolicySelector(base).split == "train"
+    m, _ = tr.selector.train_range(tr.learner.net)  # the dual-ascent yardstick stays on the training range
+    assert m["reward"] != row["reward"]
+    with pytest.raises(ConfigError, match=r"TraceConfig has no field 'nope'"):
+        apply_overrides(base, ["sim.trace.nope=1"])
+    with pytest.raises(ConfigError, match=r"use NAME or sim.NAME.*sim.trace.NAME"):
+        apply_overrides(base, ["agent.trace.x=1"])
