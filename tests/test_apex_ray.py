@@ -92,10 +92,13 @@ def _initial_params(cfg):
     return BDQNetwork(cfg.net).state_dict()
 
 
-def test_actors_start_with_the_learners_initial_weights(ray_local, tmp_path):
+@pytest.mark.parametrize("initial_policy", ["network", "default"])
+def test_actors_start_with_the_learners_initial_weights(ray_local, tmp_path, initial_policy):
     """Before any learner exists the weight store holds version 0 = the network the Train
     learner starts from, so the first decisions (and the replay they fill) are the learner's
-    own policy, not some other random network's (this made the Ape-X run over-provision)."""
+    own policy, not some other random network's (this made the Ape-X run over-provision);
+    with agent.initial_policy=default both start from the platform's default setting."""
+    cfg = dataclasses.replace(SMOKE, agent=dataclasses.replace(SMOKE.agent, initial_policy=initial_policy))
     import ray
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -106,21 +109,22 @@ def test_actors_start_with_the_learners_initial_weights(ray_local, tmp_path):
     from apex_bdq.networks import BDQNetwork
     out = tmp_path / "params_start.pt"  # no batches: the learner's parameters as it starts
     TorchTrainer(train_loop_per_worker,
-                 train_loop_config={"cfg": config_to_dict(SMOKE), "backend": "ddp", "fixed_batches": [],
+                 train_loop_config={"cfg": config_to_dict(cfg), "backend": "ddp", "fixed_batches": [],
                                     "minutes": 5, "params_out": str(out), "checkpoint_every_s": 1e9},
                  scaling_config=ScalingConfig(num_workers=1, resources_per_worker={"CPU": 1}),
                  run_config=RunConfig(storage_path=str(tmp_path / "rt"), name="start")).fit()
     learner_start = torch.load(out)
-    init = initial_weights(SMOKE)
+    init = initial_weights(cfg)
     assert set(init) == set(learner_start)
+    assert (np.abs(init["head.w2"]).sum() == 0) == (initial_policy == "default")  # the default start: zeroed layer
     for k, v in learner_start.items():
         np.testing.assert_array_equal(init[k], v.numpy())
-    run = ApexRun(SMOKE, ClusterSpec(num_actors=1, actor_cpus=1, storage_path=str(tmp_path / "rt2")))
+    run = ApexRun(cfg, ClusterSpec(num_actors=1, actor_cpus=1, storage_path=str(tmp_path / "rt2")))
     try:
         run.start()
         version, (ref,) = ray.get(run.store.get_if_newer.remote(-1))
         assert version == 0
-        net = BDQNetwork(SMOKE.net)
+        net = BDQNetwork(cfg.net)
         load_numpy_state(net, ray.get(ref))
         for k, v in net.state_dict().items():
             np.testing.assert_array_equal(v.numpy(), init[k])
