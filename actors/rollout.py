@@ -109,11 +109,10 @@ class RolloutWorker:
         self._q: Optional[np.ndarray] = None
         self._u: Optional[np.ndarray] = None
         self.slo_penalty = agent_cfg.slo_penalty  # training-only cost per broken class-window (a trainer may adapt it)
-        # Dense surrogate (agent.slo_burn_penalty): each class's error-budget burn in the open
-        # window, accumulated tick by tick; the charge is the growth of min(burn, cap).
+        # Dense surrogate (agent.slo_burn_penalty): the charge is the growth of min(burn, cap) of
+        # each class's error-budget burn in the open window (the simulator's own late count).
         self.burn_penalty = agent_cfg.slo_burn_penalty
         self.burn_cap = agent_cfg.slo_burn_cap
-        self.burn = np.zeros((sim_cfg.num_shards, sim_cfg.num_classes))
         self._burn_unit = self.sim.inv_mean_n / (P99_Q * self.sim.W)  # [K] burn per late request
         # Replay warm-up (agent.warmup_uniform): uniform actions until the caller says the
         # learner has updated (LocalTrainer after its first update, an actor on weights past version 0).
@@ -155,6 +154,8 @@ class RolloutWorker:
         truncated = False
         lam = self.slo_penalty
         for i in range(k):
+            if self.burn_penalty:  # the open window's late requests before this tick (0 after a close or reset)
+                late_before = self.sim.win_late.copy()
             nxt, reward, truncated, info = self.sim.step(actions)
             self.env_steps += self.sim.S
             self.episode_reward += reward
@@ -165,7 +166,7 @@ class RolloutWorker:
             if lam and info["window_violated"] is not None:
                 reward = reward - lam * info["window_violated"].sum(1)  # [S] broken class-windows
             if self.burn_penalty:
-                reward = reward - self.burn_penalty * self._burn_step(info)
+                reward = reward - self.burn_penalty * self._burn_charge(late_before, info["late_requests"])
             block += (g ** i) * reward
             if truncated:
                 break
@@ -191,7 +192,6 @@ class RolloutWorker:
             self.finished_rewards.extend((self.episode_reward / self.sim.t).tolist())
             self.episode_reward[:] = 0
             nxt = self.sim.reset()
-            self.burn[:] = 0.0
             self._q = None
             self.explorer.reset()
             if self.recorder is not None:
@@ -199,15 +199,13 @@ class RolloutWorker:
         self.obs = nxt
         return out
 
-    def _burn_step(self, info: dict) -> np.ndarray:
-        """[S] growth of sum_k min(burn_k, cap) this tick; at a window's close (the tick whose
-        requests end it) the burn starts again from 0."""
-        before = np.minimum(self.burn, self.burn_cap)
-        self.burn += info["late_requests"] * self._burn_unit
-        grown = (np.minimum(self.burn, self.burn_cap) - before).sum(1)
-        if info["window_violated"] is not None:
-            self.burn[:] = 0.0
-        return grown
+    def _burn_charge(self, late_before: np.ndarray, late_now: np.ndarray) -> np.ndarray:
+        """[S] growth of sum_k min(burn_k, cap) this tick: the open window held `late_before`
+        late requests per class before it and gained `late_now` (a closing tick's requests
+        still count for the window they close)."""
+        before = late_before * self._burn_unit
+        after = before + late_now * self._burn_unit
+        return (np.minimum(after, self.burn_cap) - np.minimum(before, self.burn_cap)).sum(1)
 
     def _priority(self, tr: Transitions, v_next: np.ndarray) -> np.ndarray:
         """|TD| of each transition, y = R + discount * v_next against Q_d(s, a_d), aggregated
