@@ -20,7 +20,8 @@ from apex_bdq.config import AgentConfig, PreferenceConfig, SimConfig
 from apex_bdq.nstep import NStepAccumulator, Transitions
 from apex_bdq.networks import BDQNetwork
 from apex_bdq.preference import Segment
-from apex_bdq.sim.platform import P99_Q, PlatformSim
+from apex_bdq.sim import make_sim
+from apex_bdq.sim.platform import P99_Q
 from learner.learner import Explorer, act_values
 
 
@@ -82,7 +83,7 @@ class RolloutWorker:
     def __init__(self, sim_cfg: SimConfig, agent_cfg: AgentConfig, net: BDQNetwork,
                  epsilons: Optional[np.ndarray] = None, seed: int = 0,
                  pref_cfg: Optional[PreferenceConfig] = None, source: str = "rollout") -> None:
-        self.sim = PlatformSim(sim_cfg.replace(seed=seed))
+        self.sim = make_sim(sim_cfg.replace(seed=seed))
         self.cfg = agent_cfg
         self.net = net
         self.eps = np.asarray(epsilons if epsilons is not None else agent_cfg.epsilons(sim_cfg.num_shards))

@@ -57,6 +57,20 @@ def net_config_of(ck: dict) -> NetConfig:
     return NetConfig(**ck["config"]["net"])
 
 
+def platform_of(ck: dict) -> str:
+    """The platform a checkpoint was trained on ("v1" when it predates platform v2)."""
+    return (ck.get("config", {}).get("sim") or {}).get("platform", "v1")
+
+
+def check_platform(ck: dict, sim_cfg: SimConfig, what: str) -> None:
+    """A checkpoint acts only on the platform it was trained on."""
+    got = platform_of(ck)
+    if got != sim_cfg.platform:
+        raise CheckpointError(f"{what} was trained on platform {got}, this run's platform is {sim_cfg.platform}: "
+                              f"evaluate it with --set sim.platform={got} (launch.evaluate takes the checkpoint's "
+                              f"own platform when given only checkpoints of one platform)")
+
+
 def check_fits(net_cfg: NetConfig, sim_cfg: SimConfig, what: str) -> None:
     want = NetConfig.for_sim(sim_cfg)
     diffs = [f"{f}: checkpoint {getattr(net_cfg, f)} vs config {getattr(want, f)}"
@@ -69,12 +83,17 @@ class GreedyPolicy:
     """argmax_a Q_d per branch, re-decided every `decision_ticks` ticks and held in between:
     the learned policy as `evaluate_policy` runs it."""
 
-    def __init__(self, net: BDQNetwork, decision_ticks: int = 1, name: str = "learned") -> None:
+    def __init__(self, net: BDQNetwork, decision_ticks: int = 1, name: str = "learned",
+                 platform: Optional[str] = None) -> None:
         self.net = net.eval()
         self.k = int(decision_ticks)
         self.name = name
+        self.platform = platform  # the one it was trained on (None: not checked beyond the shapes)
 
     def reset(self, sim) -> None:
+        if self.platform is not None and self.platform != sim.cfg.platform:
+            raise CheckpointError(f"policy {self.name!r} was trained on platform {self.platform}, the simulator "
+                                  f"runs platform {sim.cfg.platform}")
         check_fits(self.net.cfg, sim.cfg, f"policy {self.name!r}")
         self.actions = None
         self.t = 0
@@ -97,6 +116,7 @@ def network_of(ck: dict, path: str | Path, sim_cfg: Optional[SimConfig] = None) 
     except (KeyError, TypeError, ConfigError) as e:
         raise CheckpointError(f"checkpoint {str(path)!r} has no usable network config: {e}") from e
     if sim_cfg is not None:
+        check_platform(ck, sim_cfg, f"checkpoint {str(path)!r}")
         check_fits(net_cfg, sim_cfg, f"checkpoint {str(path)!r}")
     net = BDQNetwork(net_cfg)
     try:
@@ -110,7 +130,7 @@ def load_policy(path: str | Path, sim_cfg: Optional[SimConfig] = None) -> Greedy
     ck = load_checkpoint(path)
     net = network_of(ck, path, sim_cfg)
     k = int(ck["config"].get("agent", {}).get("decision_ticks", 1))
-    return GreedyPolicy(net, decision_ticks=k, name=f"checkpoint:{Path(path).name}")
+    return GreedyPolicy(net, decision_ticks=k, name=f"checkpoint:{Path(path).name}", platform=platform_of(ck))
 
 
 def config_to_dict(obj) -> dict:

@@ -28,7 +28,8 @@ class TraceConfig:
     """Where arrival rates come from and how they are shaped."""
 
     path: Optional[str] = None
-    """CSV trace; None selects the bundled Azure Functions 2019 4-class trace."""
+    """CSV trace (or .csv.gz); None selects the platform's bundled trace: four weeks of
+    NASA-HTTP 1995 on v2, one day of the Azure Functions 2019 4-class trace on v1."""
     columns: Optional[tuple[str, ...]] = None
     """Rate columns to use. None: the bundled trace's class columns, or the first numeric
     column of any other file. One column is split over the classes by `SimConfig.class_share`;
@@ -37,21 +38,32 @@ class TraceConfig:
     """Seconds between rows. None: read from the time column, else from a `_5min` / `_1min` /
     `_1s` suffix in the file name."""
     eval_fraction: float = 0.25
-    """The last `eval_fraction` of the trace is held out for evaluation."""
-    validation_fraction: float = 0.0
+    """The last `eval_fraction` of the trace is held out for evaluation (on a trace of four
+    days or more, rounded to whole days: 7 of the bundled v2 trace's 28)."""
+    validation_fraction: float = 0.15
     """The last `validation_fraction` of the part before the held-out range becomes a
-    validation range (split "val"): trained on by nothing, looked at by policy selection
-    (train.select_every_s), so the held-out range stays a test set. 0 = none: selection then
+    validation range (split "val"; whole days on a multi-day trace: 3 of the bundled v2
+    trace's 21): trained on by nothing, looked at by policy selection and by whoever
+    chooses settings, so the held-out range stays a test set. 0 = none: selection then
     scores on the training range. The rates' normalisation covers training and validation
     together, so the held-out range is the same trace with or without it."""
     poisson_noise: bool = True
     """Draw per-tick arrivals from Poisson(rate * tick); off gives the fluid mean."""
+    smooth_s: Optional[float] = None
+    """Centred moving average over this many seconds of the trace's rows before it is
+    scaled (0 = none). A small site's per-minute counts carry the noise of its few users
+    (NASA-HTTP: +-30 % minute to minute at 0.6 requests/s); scaled to a platform's rate that
+    noise would be ~15x what the scaled rate's own Poisson noise is, so the rate is taken
+    from the trace's slower structure and the simulator draws Poisson arrivals at the scaled
+    rate. None: 300 s for the bundled v2 trace, 0 for any other file."""
 
     def __post_init__(self) -> None:
         _check(0.0 < self.eval_fraction < 1.0,
                f"trace.eval_fraction must be in (0, 1), got {self.eval_fraction!r}")
         _check(0.0 <= self.validation_fraction < 1.0,
                f"trace.validation_fraction must be in [0, 1), got {self.validation_fraction!r}")
+        _check(self.smooth_s is None or self.smooth_s >= 0,
+               f"trace.smooth_s must be >= 0 (or none), got {self.smooth_s!r}")
         _check(self.interval_s is None or self.interval_s > 0,
                f"trace.interval_s must be > 0, got {self.interval_s!r}")
         if self.columns is not None:
@@ -64,10 +76,30 @@ class TraceConfig:
 BUNDLED_SERVICE_TIME_S = (0.0600, 3.3057, 13.3921, 321.1498)
 
 
+PLATFORMS = ("v1", "v2")
+
+
 @dataclass(frozen=True)
 class SimConfig:
-    """The platform simulator: S shards, K request classes, D action branches of n choices."""
+    """The platform simulator: S shards, K request classes, D action branches of n choices.
 
+    Two platforms (README, "The platform"):
+    - "v2" (default): one capacity pool per request class, as Kubernetes runs one Deployment
+      and one HPA per service. Per class two branches: `capacity_k` plans for
+      `plan_factors[a]` x the class's monitored request rate, sized with the queueing model
+      (`apex_bdq.sizing`); `hold_k` keeps the highest plan of the last `hold_s[a]` seconds
+      (the scale-down hold is the policy's choice). One `admission` branch. Replica-seconds
+      of active and booting replicas are billed. Observations add per-class demand history
+      (coarse blocks, the same time a day and a week ago), calendar phase and capacity still
+      booting.
+    - "v1": one shared pool split between classes, capacity tiers on HPA's reactive signal
+      with a fixed 300-s scale-down hold, energy-style cost; kept so that checkpoints trained
+      on it still evaluate on it (a checkpoint without a `platform` field is v1).
+    Fields marked "v1:" or "v2:" apply to that platform only.
+    """
+
+    platform: str = "v2"
+    """"v2" (default) or "v1" (see above)."""
     num_shards: int = 8
     """S: shards simulated side by side (one vectorised array axis)."""
     num_classes: int = 4
@@ -75,7 +107,7 @@ class SimConfig:
     sub_actions: int = 5
     """n: choices per action branch."""
     per_class_capacity: bool = False
-    """False: branches (capacity, priority, admission, scheduling), D=4. True: one capacity
+    """v1: False: branches (capacity, priority, admission, scheduling), D=4. True: one capacity
     branch per class plus admission and scheduling, D=K+2 (priority is then implied)."""
     history: int = 8
     """H: ticks of per-class history in the micro observation."""
@@ -99,29 +131,52 @@ class SimConfig:
     slo_factor: tuple[float, ...] = (1.5, 2.0, 3.0, 4.0)
     """p99 latency SLO per class as a multiple of its mean service time."""
     max_servers: int = 256
-    """Capacity limit per shard (all pools together)."""
+    """v1: capacity limit per shard (all pools together)."""
     min_servers: int = 1
     """Capacity floor per pool."""
     initial_utilisation: float = 0.6
-    """Episodes start with capacity = offered load / this (a warm platform)."""
+    """v1: episodes start with capacity = offered load / this (a warm platform). v2 starts
+    each pool at the default action's plan for the rate of the moment."""
     headroom_min: float = 1.4
-    """Capacity tiers: the capacity branch sets target = ceil(monitored demand x headroom),
+    """v1: capacity tiers: the capacity branch sets target = ceil(monitored demand x headroom),
     with n headroom tiers spaced geometrically from headroom_min to headroom_max. Holding a
     tier tracks the demand; the tier is how much spare capacity to run with. 1.4-2.8 are the
     target utilisations 71 %-36 % that autoscalers are commonly set to (HPA examples use 50 %)."""
     headroom_max: float = 2.8
     scale_down_window_s: float = 300.0
-    """Scale-down stabilisation of the capacity tiers: the tier multiplies the highest
+    """v1: scale-down stabilisation of the capacity tiers: the tier multiplies the highest
     monitored demand of this trailing window (in 15-s blocks), so capacity rises at once and
     falls only when a burst is this long past, as the Kubernetes HPA's default
     `behavior.scaleDown.stabilizationWindowSeconds` (300 s) does. 0 tracks the demand as is."""
     priority_tilt: float = 1.0
-    """Largest log-weight tilt of the capacity shares towards tight-SLO classes."""
+    """v1: largest log-weight tilt of the capacity shares towards tight-SLO classes."""
     speed_min: float = 0.6
-    """Slowest service-speed level of the scheduling branch (1.0 is the fastest)."""
+    """v1: slowest service-speed level of the scheduling branch (1.0 is the fastest)."""
     idle_power_frac: float = 0.5
-    """Server power when idle as a share of peak (Barroso & Hoelzle, IEEE Computer 2007);
-    the dynamic part scales with utilisation x speed^3."""
+    """v1: server power when idle as a share of peak (Barroso & Hoelzle, IEEE Computer 2007);
+    the dynamic part scales with utilisation x speed^3. v2 bills every active or booting
+    replica for each second (cloud per-second billing), busy or not."""
+    plan_factors: tuple[float, ...] = (1.0, 1.15, 1.3, 1.5, 1.75)
+    """v2: the capacity tiers, one per sub-action: tier a provisions the replicas the
+    queueing model needs to meet the class's SLO at plan_factors[a] x its monitored request
+    rate (1.0 = the rate of the moment; above it = spare room for growth, e.g. ahead of a
+    predictable ramp)."""
+    hold_s: tuple[float, ...] = (0.0, 30.0, 60.0, 120.0, 300.0)
+    """v2: the scale-down holds, one per sub-action: a class's target is the highest plan of
+    the last hold_s[a] seconds (in 15-s blocks, the HPA sync period), as HPA's
+    `behavior.scaleDown.stabilizationWindowSeconds` (default 300 s) does; 0 releases at once."""
+    pool_cap_factor: float = 4.0
+    """v2: each class's pool holds at most ceil(pool_cap_factor x the class's peak offered
+    load over the whole trace) replicas (plus the floor): large enough that the trace's
+    spikes can be served, so no burst is unservable by construction."""
+    coarse_block_s: float = 120.0
+    """v2: resolution of the per-class demand history in the macro observation."""
+    coarse_history: int = 16
+    """v2: blocks of that history (16 x 120 s = the last 32 minutes)."""
+    seasonal_leads_s: tuple[float, ...] = (0.0, 600.0, 1800.0)
+    """v2: the macro observation holds each class's trace rate a day and a week ago, at
+    these offsets ahead of the same time of day (what `rate(...) offset 1d` gives in
+    Prometheus; a predictive autoscaler's input)."""
     revenue_per_work: float = 2.0
     """Reward per server-second of work served (objective weight, not a platform figure)."""
     drop_penalty: float = 1.0
@@ -135,6 +190,7 @@ class SimConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        _check(self.platform in PLATFORMS, f"sim.platform must be one of {PLATFORMS}, got {self.platform!r}")
         _check(self.num_shards >= 1, f"sim.num_shards must be >= 1, got {self.num_shards!r}")
         _check(self.num_classes >= 1, f"sim.num_classes must be >= 1, got {self.num_classes!r}")
         _check(self.sub_actions >= 2, f"sim.sub_actions must be >= 2, got {self.sub_actions!r}")
@@ -166,20 +222,44 @@ class SimConfig:
         _check(self.latency_cap_factor > 1,
                f"sim.latency_cap_factor must be > 1, got {self.latency_cap_factor!r}")
         _check(self.episode_ticks >= 1, f"sim.episode_s={self.episode_s} is shorter than one tick")
+        if self.platform == "v2":
+            _check(not self.per_class_capacity, "sim.per_class_capacity is a v1 option: platform v2 always has "
+                                                "one pool per class")
+            n = self.sub_actions
+            for name in ("plan_factors", "hold_s"):
+                val = getattr(self, name)
+                _check(len(val) == n, f"sim.{name} needs one value per sub-action (sub_actions={n}), got {val!r}")
+            _check(all(f > 0 for f in self.plan_factors), f"sim.plan_factors must be > 0, got {self.plan_factors!r}")
+            _check(all(h >= 0 for h in self.hold_s), f"sim.hold_s must be >= 0, got {self.hold_s!r}")
+            _check(self.pool_cap_factor >= 1, f"sim.pool_cap_factor must be >= 1, got {self.pool_cap_factor!r}")
+            _check(self.coarse_block_s >= self.tick_s and self.coarse_history >= 1,
+                   f"sim.coarse_block_s must be >= one tick and coarse_history >= 1, got "
+                   f"{self.coarse_block_s!r} / {self.coarse_history!r}")
+            _check(all(v >= 0 for v in self.seasonal_leads_s),
+                   f"sim.seasonal_leads_s must be >= 0, got {self.seasonal_leads_s!r}")
+            slo = [f * s for f, s in zip(self.slo_factor, self.service_time_s)]
+            _check(all(f > 1 for f in self.slo_factor),
+                   f"sim.slo_factor must be > 1 on platform v2 (the SLO must leave a waiting budget above the "
+                   f"mean service time), got {self.slo_factor!r} (SLOs {slo} s)")
 
     # -- derived values ------------------------------------------------------------------
     @property
     def num_pools(self) -> int:
         """Capacity pools: one shared pool, or one per class."""
-        return self.num_classes if self.per_class_capacity else 1
+        return self.num_classes if (self.per_class_capacity or self.platform == "v2") else 1
 
     @property
     def num_branches(self) -> int:
         """D: action branches."""
+        if self.platform == "v2":
+            return 2 * self.num_classes + 1
         return self.num_classes + 2 if self.per_class_capacity else 4
 
     @property
     def branch_names(self) -> tuple[str, ...]:
+        if self.platform == "v2":
+            k = range(self.num_classes)
+            return tuple(f"capacity_{i}" for i in k) + tuple(f"hold_{i}" for i in k) + ("admission",)
         if self.per_class_capacity:
             return tuple(f"capacity_{k}" for k in range(self.num_classes)) + ("admission", "scheduling")
         return ("capacity", "priority", "admission", "scheduling")
@@ -213,10 +293,11 @@ class SimConfig:
 def sim_config_from_dict(d: dict) -> SimConfig:
     """Rebuild a SimConfig from `dataclasses.asdict` output (lists back to tuples)."""
     d = dict(d)
+    d.setdefault("platform", "v1")  # saved before platform v2 existed
     tr = dict(d.pop("trace", {}) or {})
     if tr.get("columns") is not None:
         tr["columns"] = tuple(tr["columns"])
-    for k in ("class_share", "service_time_s", "slo_factor"):
+    for k in ("class_share", "service_time_s", "slo_factor", "plan_factors", "hold_s", "seasonal_leads_s"):
         if d.get(k) is not None:
             d[k] = tuple(d[k])
     known = {f.name for f in dataclasses.fields(SimConfig)}
@@ -425,9 +506,10 @@ class NetConfig:
     @classmethod
     def for_sim(cls, sim_cfg, **overrides) -> "NetConfig":
         """Sizes matching a SimConfig's observation and action spaces."""
-        from apex_bdq.sim.platform import MACRO_FEATURES, MICRO_FEATURES
-        return cls(macro_features=len(MACRO_FEATURES), num_classes=sim_cfg.num_classes, history=sim_cfg.history,
-                   micro_features=len(MICRO_FEATURES), num_branches=sim_cfg.num_branches,
+        from apex_bdq.sim import observation_sizes
+        fm, fu = observation_sizes(sim_cfg)
+        return cls(macro_features=fm, num_classes=sim_cfg.num_classes, history=sim_cfg.history,
+                   micro_features=fu, num_branches=sim_cfg.num_branches,
                    sub_actions=sim_cfg.sub_actions, **overrides)
 
 

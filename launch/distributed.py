@@ -476,7 +476,7 @@ def initial_weights(cfg: TrainConfig) -> dict:
     from learner.learner import apply_initial_policy
     with torch.random.fork_rng(devices=[]):  # the caller's torch RNG is left as it was
         torch.manual_seed(cfg.seed)
-        net = apply_initial_policy(BDQNetwork(cfg.net), cfg.agent)
+        net = apply_initial_policy(BDQNetwork(cfg.net), cfg.agent, cfg.sim)
         return {k: v.detach().numpy().copy() for k, v in net.state_dict().items()}
 
 

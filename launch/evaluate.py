@@ -1,23 +1,32 @@
-"""Evaluate policies on the held-out range of a trace and print the comparison table.
+"""Evaluate policies on the held-out days of a trace and judge them with the yardstick.
 
-    python -m launch.evaluate --policy hpa|target|static|queue|random|all [--trace CSV]
-        [--columns COL ...] [--interval-s S] [--shards 8] [--ticks N] [--replicas R] [--json PATH]
-        [--plot PATH]
+    python -m launch.evaluate [--policy all|NAME,...|checkpoint:PATH] [--trace CSV|shared]
+        [--platform v2|v1] [--columns COL ...] [--interval-s S] [--shards N] [--replicas R]
+        [--ticks N] [--json PATH] [--plot PNG] [--series PNG] [--no-frontier] [--no-cache]
+
+For every policy: cost and SLO-violation rate (late + refused work) with standard errors
+over the segments of the range; against the frontier of every rule swept over its setting
+(HPA and AWS target tracking over their target utilisation, the predictive rule over its
+margin, static peak provisioning), interpolated: the cost saving at equal violation rate and
+the violation ratio at equal cost against the best rule, and the share of the gap from the
+best rule to the oracle (which sees the future) that the policy closes. `--policy all` runs
+every baseline at its default setting and the oracle. The frontiers of a platform and trace
+are computed once (about a minute on 2 cores) and cached (APEX_BDQ_CACHE, default
+~/.cache/apex-bdq). JSON: `frontiers` (per rule: [{setting, cost, slo_violation_rate}]),
+`oracle_frontier`, `headroom`, and per policy under `policies` its metrics with
+`cost_saving_vs_best_rule`, `violation_ratio_vs_best_rule`, `oracle_gap_closed`,
+`refused_share`.
+
+A comparison rests on the settled class-windows of the range; with too few to tell the
+rules' settings apart (a short or very bursty trace) it is refused with the reason, not
+printed as equal rates.
 
 `--trace` takes any CSV with a time column (or an interval suffix like `_5min` in its name)
 and one or more rate columns; `--trace shared` evaluates on every CSV of ../shared/traces.
-Without `--trace` the bundled Azure Functions 2019 trace is used.
-
-A checkpoint is evaluated on the platform it was trained for: its simulator settings (the
-capacity tiers, the scale-down window, SLOs, prices, ...; not its trace) become the
-platform every policy of the table runs on, so a policy trained with e.g. `--set
-sim.headroom_min=1.8` is scored with the tiers it learned. Checkpoints trained on different
-platforms are refused together.
-
-`--replicas R` covers the held-out range R times with independent Poisson arrivals (R x
-shards simulator shards in one vectorised run): R times the settled SLO windows, so small
-differences in violation rate are not lost in the noise of one arrival sample; the table
-then adds each policy's violation rate per copy.
+Without `--trace` the platform's bundled trace is used (v2: four weeks of NASA-HTTP 1995,
+held-out days 22-28). A checkpoint is evaluated on the platform it was trained for (its
+simulator settings, not its trace); checkpoints trained on different platforms are refused
+together.
 """
 
 from __future__ import annotations
@@ -25,16 +34,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Optional
 
+from apex_bdq import yardstick as ys
 from apex_bdq.checkpoint import CheckpointError, load_checkpoint
 from apex_bdq.config import ConfigError, SimConfig, TraceConfig, sim_config_from_dict
-from apex_bdq.evaluation import METRIC_KEYS, EvalResult, evaluate_policy
-from apex_bdq.sim.baselines import BASELINES, make_baseline
+from apex_bdq.evaluation import EvalResult, evaluate_policy
+from apex_bdq.sim.baselines import BASELINES, V2_ONLY, make_baseline
 from apex_bdq.sim.trace import TraceError
 from launch._io import save_figure, write_json
 
@@ -45,6 +54,9 @@ SHARED_COLUMNS = {
     "azure_functions2019_invitro1000_1min.csv": ("invocations",),
     "nasa_http_1995_1min.csv": ("requests",),
 }
+# Evaluation layout per platform: segments of the range per copy, copies.
+LAYOUT = {"v2": (64, 2), "v1": (8, 1)}
+HEADROOM_RATES = (0.01, 0.02, 0.05)
 
 
 class _Progress:
@@ -65,29 +77,37 @@ class _Progress:
               file=sys.stderr, flush=True)
 
 
-def _fmt(v) -> str:
-    if isinstance(v, float) and math.isnan(v):
-        return "n/a"
-    return f"{v:.4f}" if abs(v) < 100 else f"{v:,.0f}"
+def _pct(x: Optional[float]) -> str:
+    return "-" if x is None else f"{100 * x:+.1f} %"
 
 
-def print_table(title: str, results: dict[str, dict]) -> None:
-    cols = ("policy",) + METRIC_KEYS
+def _num(x: Optional[float], fmt: str = ".3f") -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+
+
+def print_policies(title: str, results: dict[str, dict]) -> None:
+    """The policy table: cost and violation with standard errors, refused share, and the
+    yardstick's figures where frontiers exist."""
     print(title)
-    print("  ".join(f"{c:>18}" if i else f"{c:<10}" for i, c in enumerate(cols)))
+    print(f"{'policy':<22} {'cost':>14} {'slo_violation_rate':>20} {'refused':>8} {'reward':>8} "
+          f"{'saving vs best rule':>20} {'viol. ratio':>11} {'oracle gap closed':>18}")
     for name, m in results.items():
-        print("  ".join([f"{name:<10}"] + [f"{_fmt(m[k]):>18}" for k in METRIC_KEYS]))
-    if any(m.get("replicas", 1) > 1 for m in results.values()):
-        ref = results.get("hpa")
-        print("SLO violation rate over the copies of the range (mean +- standard error; against HPA paired "
-              "copy by copy, both met the same arrivals; per-copy rates in the JSON):")
-        for name, m in results.items():
-            per = m["slo_violation_rate_per_replica"]
-            line = f"{name:<10}  {statistics.fmean(per):.5f} +- {statistics.stdev(per) / math.sqrt(len(per)):.5f}"
-            if ref is not None and name != "hpa":
-                d = [x - y for x, y in zip(per, ref["slo_violation_rate_per_replica"])]
-                line += f"   vs hpa {statistics.fmean(d):+.5f} +- {statistics.stdev(d) / math.sqrt(len(d)):.5f}"
-            print(line + f"   ({len(per)} copies x {m['slo_windows'] // len(per):,} class-windows)")
+        j = m.get("yardstick") or {}
+        cost = f"{m['cost']:.3f} +- {_num(m.get('cost_se'))}"
+        viol = f"{m['slo_violation_rate']:.4f} +- {_num(m.get('slo_violation_rate_se'), '.4f')}"
+        rule = j.get("best_rule_at_violation_rate")
+        saving = _pct(j.get("cost_saving_vs_best_rule")) + (f" ({rule})" if rule else "")
+        print(f"{name:<22} {cost:>14} {viol:>20} {100 * m['refused_share']:>7.2f}% {m['reward']:>8.4f} "
+              f"{saving:>20} {_num(j.get('violation_ratio_vs_best_rule'), '.2f'):>11} "
+              f"{_pct(j.get('oracle_gap_closed')):>18}")
+
+
+def print_frontiers(fronts: dict, oracle: list[dict]) -> None:
+    print("frontiers (each rule swept over its setting; * = on its Pareto frontier):")
+    for rule, pts in list(fronts.items()) + ([("oracle", oracle)] if oracle else []):
+        cells = [f"{s:g}: {c:.3f} / {v:.4f}{'*' if on else ''}" for s, c, v, on in ys.as_table_rows(pts)]
+        print(f"  {rule:<10} " + "   ".join(cells))
+    print("  (setting: cost / SLO violation rate)")
 
 
 def make_policy(name: str, cfg: SimConfig):
@@ -97,11 +117,10 @@ def make_policy(name: str, cfg: SimConfig):
     return make_baseline(name)
 
 
-def checkpoint_platform(names: list[str]) -> tuple[SimConfig, list[str]]:
+def checkpoint_platform(names: list[str], base: SimConfig) -> tuple[SimConfig, list[str]]:
     """The simulator config the checkpoints among `names` were trained with (trace and
-    seed reset to the defaults), and the fields where it differs from the default; the
-    default when there is no checkpoint. Checkpoints of different platforms are refused."""
-    base = SimConfig()
+    seed reset to those of `base`), and the fields where it differs from the default; `base`
+    when there is no checkpoint. Checkpoints of different platforms are refused."""
     found: dict[str, SimConfig] = {}
     for n in names:
         if n.startswith("checkpoint:"):
@@ -120,22 +139,54 @@ def checkpoint_platform(names: list[str]) -> tuple[SimConfig, list[str]]:
             diff = [f.name for f in dataclasses.fields(SimConfig) if getattr(other, f.name) != getattr(cfg, f.name)]
             raise CheckpointError(f"checkpoints {first!r} and {path!r} were trained on different platforms "
                                   f"(sim fields {', '.join(diff)}): evaluate them separately")
+    ref = SimConfig(platform=cfg.platform)
     changed = [f"{f.name}={getattr(cfg, f.name)!r}" for f in dataclasses.fields(SimConfig)
-               if getattr(cfg, f.name) != getattr(base, f.name)]
+               if f.name != "trace" and getattr(cfg, f.name) != getattr(ref, f.name)]
     return cfg, changed
+
+
+def policy_names(spec: str, platform: str) -> list[str]:
+    if spec == "all":
+        return [n for n in BASELINES if platform == "v2" or n not in V2_ONLY]
+    return [p.strip() for p in spec.split(",") if p.strip()]
 
 
 def run_trace(cfg: SimConfig, policies: list[str], shards: int, ticks: Optional[int],
               show_progress: bool, replicas: int = 1) -> dict[str, EvalResult]:
     out = {}
     for name in policies:
-        res = evaluate_policy(make_policy(name, cfg), cfg, shards=shards, ticks=ticks,
-                              progress=_Progress(name, show_progress), replicas=replicas)
-        out[name] = res
+        out[name] = evaluate_policy(make_policy(name, cfg), cfg, shards=shards, ticks=ticks,
+                                    progress=_Progress(name, show_progress), replicas=replicas)
     return out
 
 
-def plot(results: dict[str, EvalResult], path: str, title: str, tick_s: float) -> None:
+def judge_all(cfg: SimConfig, metrics: dict[str, dict], shards: int, replicas: int, ticks: Optional[int],
+              use_cache: bool, show_progress: bool) -> dict:
+    """Frontiers for `cfg`, the yardstick of every policy in `metrics` (added in place under
+    "yardstick"), the headroom; {"refused": reason} when the range cannot tell policies apart."""
+    f = ys.frontiers(cfg, shards, replicas, ticks=ticks, use_cache=use_cache,
+                     log=(lambda s: print(f"  {s}", file=sys.stderr, flush=True)) if show_progress else None,
+                     progress_for=lambda rule: _Progress(rule, show_progress))
+    windows = next(iter(metrics.values()))["slo_windows"]
+    try:
+        ys.check_resolution(f["frontiers"], windows)
+    except ys.YardstickError as e:
+        return {"refused": str(e), "frontiers": f["frontiers"], "oracle_frontier": f["oracle"]}
+    for m in metrics.values():
+        m["yardstick"] = ys.judge(m, f["frontiers"], f["oracle"])
+        m.update({k: m["yardstick"][k] for k in ("cost_saving_vs_best_rule", "violation_ratio_vs_best_rule",
+                                                 "oracle_gap_closed")})
+    out = {"frontiers": f["frontiers"], "oracle_frontier": f["oracle"], "cached": f["cached"]}
+    if f["oracle"]:
+        rates = HEADROOM_RATES
+        if "hpa" in metrics:
+            rates = (metrics["hpa"]["slo_violation_rate"],) + rates
+        out["headroom"] = ys.headroom(f["frontiers"], f["oracle"], rates, windows)
+    return out
+
+
+def plot_series(results: dict[str, EvalResult], path: str, title: str, tick_s: float) -> None:
+    """Load, capacity and p99 over time of shard 0 for each policy."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -157,28 +208,76 @@ def plot(results: dict[str, EvalResult], path: str, title: str, tick_s: float) -
     save_figure(fig, path)
 
 
+def plot_frontiers(judged: dict, metrics: dict[str, dict], path: str, title: str) -> None:
+    """Cost against SLO violation rate: each rule's sweep as a line, the oracle's sweep, and
+    every evaluated policy as a point."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8.5, 5.5))
+    floor = 0.5 / max(next(iter(metrics.values()))["slo_windows"], 1)
+    curves = dict(judged["frontiers"])
+    if judged.get("oracle_frontier"):
+        curves["oracle (sees the future)"] = judged["oracle_frontier"]
+    for i, (rule, pts) in enumerate(curves.items()):
+        pts = sorted(pts, key=lambda p: p["slo_violation_rate"])
+        style = dict(marker="^", ls="--", color="black") if "oracle" in rule else dict(marker="o", ls="-", color=f"C{i}")
+        ax.plot([max(p["slo_violation_rate"], floor) for p in pts], [p["cost"] for p in pts], ms=4, lw=1.2,
+                label=rule, **style)
+    for j, (name, m) in enumerate(metrics.items()):
+        ax.plot([max(m["slo_violation_rate"], floor)], [m["cost"]], "*", ms=13, mec="black", mew=0.6,
+                color=f"C{(j + 4) % 10}", label=f"{name} (default setting)" if name in BASELINES else name)
+    ax.set_xscale("log")
+    ax.set_xlabel("SLO violation rate (share of class-windows; late + refused work)")
+    ax.set_ylabel("cost (replica-seconds per second, / mean load)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7, ncol=2)
+    save_figure(fig, path)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m launch.evaluate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--policy", default="all",
                     help=f"one of {sorted(BASELINES)}, 'all', checkpoint:PATH, or a comma-separated list")
     ap.add_argument("--trace", help="CSV trace, or 'shared' for every trace in ../shared/traces")
+    ap.add_argument("--platform", choices=("v2", "v1"), help="the platform (default: v2, or the checkpoints' own)")
     ap.add_argument("--columns", nargs="+", help="rate columns of the trace (default: first one)")
     ap.add_argument("--interval-s", type=float, help="seconds per trace row (default: from the file)")
-    ap.add_argument("--shards", type=int, default=8, help="evaluation shards (phases of the range)")
-    ap.add_argument("--ticks", type=int, help="ticks per shard (default: cover the held-out range)")
-    ap.add_argument("--replicas", type=int, default=1,
-                    help="cover the range this many times, each with its own arrivals (default 1)")
-    ap.add_argument("--json", help="write the metrics here")
-    ap.add_argument("--plot", help="write a PNG of load vs capacity vs p99 here")
+    ap.add_argument("--shards", type=int, help="segments of the range per copy (default: 64 on v2, 8 on v1)")
+    ap.add_argument("--ticks", type=int, help="ticks per segment (default: cover the held-out range)")
+    ap.add_argument("--replicas", type=int,
+                    help="cover the range this many times, each with its own arrivals (default: 2 on v2, 1 on v1)")
+    ap.add_argument("--json", help="write the metrics, frontiers and yardstick here")
+    ap.add_argument("--plot", help="write a PNG of the frontiers with each policy as a point here")
+    ap.add_argument("--series", help="write a PNG of load vs capacity vs p99 over time here")
+    ap.add_argument("--no-frontier", action="store_true", help="no rule sweeps and no yardstick, metrics only")
+    ap.add_argument("--no-cache", action="store_true", help="recompute the frontiers even if cached")
     ap.add_argument("--quiet", action="store_true", help="no progress line")
     a = ap.parse_args(argv)
 
-    names = sorted(BASELINES) if a.policy == "all" else [p.strip() for p in a.policy.split(",") if p.strip()]
+    try:
+        platform, changed = checkpoint_platform([p for p in a.policy.split(",")],
+                                                SimConfig(platform=a.platform or "v2"))
+    except (CheckpointError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if a.platform and platform.platform != a.platform:
+        print(f"error: --platform {a.platform}: the checkpoints were trained on platform {platform.platform}",
+              file=sys.stderr)
+        return 2
+    names = policy_names(a.policy, platform.platform)
     for n in names:
         if n not in BASELINES and not n.startswith("checkpoint:"):
             ap.error(f"unknown policy {n!r}: choose from {sorted(BASELINES)}, 'all' or checkpoint:PATH")
-    if a.shards < 1 or a.replicas < 1 or (a.ticks is not None and a.ticks < 1):
+        if n in V2_ONLY and platform.platform != "v2":
+            ap.error(f"policy {n!r} exists on platform v2 only")
+    shards_d, replicas_d = LAYOUT[platform.platform]
+    shards = a.shards if a.shards is not None else shards_d
+    replicas = a.replicas if a.replicas is not None else replicas_d
+    if shards < 1 or replicas < 1 or (a.ticks is not None and a.ticks < 1):
         ap.error("--shards, --replicas and --ticks must be >= 1")
 
     if a.trace == "shared":
@@ -191,37 +290,58 @@ def main(argv: Optional[list[str]] = None) -> int:
     else:
         traces = [(None, None)]
 
-    try:
-        platform, changed = checkpoint_platform(names)
-    except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if changed:
-        print(f"platform of the checkpoint (differs from the default in {', '.join(changed)})")
+    print(f"platform {platform.platform}" + (f" of the checkpoint (differs from the default in {', '.join(changed)})"
+                                             if changed else ""))
+    show = not a.quiet and sys.stderr.isatty()
     all_results: dict = {}
+    compared = 0
     for path, cols in traces:
+        label = path.name if path else f"bundled trace ({platform.platform})"
         try:
             cfg = platform.replace(trace=TraceConfig(path=str(path) if path else None, columns=cols,
                                                      interval_s=a.interval_s))
-            label = path.name if path else "bundled azure_functions2019_4class_1min.csv"
-            results = run_trace(cfg, names, a.shards, a.ticks, not a.quiet and sys.stderr.isatty(), a.replicas)
-        except (TraceError, ConfigError, CheckpointError) as e:
-            print(f"error: {e}", file=sys.stderr)
+            results = run_trace(cfg, names, shards, a.ticks, show, replicas)
+            metrics = {n: r.metrics for n, r in results.items()}
+            judged = None if a.no_frontier else judge_all(cfg, metrics, shards, replicas, a.ticks,
+                                                          not a.no_cache, show)
+        except (TraceError, ConfigError, CheckpointError, ValueError) as e:
+            print(f"error: {label}: {e}", file=sys.stderr)
             return 2
-        metrics = {n: r.metrics for n, r in results.items()}
-        copies = f", {a.replicas} copies with their own arrivals" if a.replicas > 1 else ""
-        print_table(f"\n{label}: evaluation range, {a.shards} shards x "
-                    f"{next(iter(metrics.values()))['ticks']} ticks{copies}", metrics)
-        all_results[label] = metrics
-        if a.plot:
-            plot_path = a.plot if len(traces) == 1 else str(Path(a.plot).with_suffix("")) + f"_{Path(label).stem}.png"
-            plot(results, plot_path, label, cfg.tick_s)
-            print(f"wrote {plot_path}")
+        first = next(iter(metrics.values()))
+        copies = f", {replicas} copies with their own arrivals" if replicas > 1 else ""
+        title = (f"\n{label}: {first['range']}; {shards} segments x {first['ticks']:,} ticks{copies}; "
+                 f"{first['slo_windows']:,} settled class-windows per policy")
+        entry: dict = {"policies": metrics, "range": first["range"], "slo_windows": first["slo_windows"]}
+        if judged is not None and "refused" in judged:
+            print(title)
+            print(f"comparison refused: {judged['refused']}")
+            entry.update(judged)
+        else:
+            print_policies(title, metrics)
+            if judged is not None:
+                compared += 1
+                entry.update(judged)
+                print_frontiers(judged["frontiers"], judged["oracle_frontier"])
+                for h in judged.get("headroom", []):
+                    print(f"headroom at violation rate {h['slo_violation_rate']:.4f}: best rule "
+                          f"{h['best_rule'] or '-'} costs {_num(h['best_rule_cost'])}, the oracle "
+                          f"{_num(h['oracle_cost'])}: {_pct(None if h['oracle_saving'] is None else -h['oracle_saving'])}")
+            else:
+                compared += 1
+        all_results[label] = entry
+        if a.plot and judged is not None and "frontiers" in judged:
+            p = a.plot if len(traces) == 1 else str(Path(a.plot).with_suffix("")) + f"_{Path(label).stem}.png"
+            plot_frontiers(judged, metrics, p, f"{label}: {first['range']}")
+            print(f"wrote {p}")
+        if a.series:
+            p = a.series if len(traces) == 1 else str(Path(a.series).with_suffix("")) + f"_{Path(label).stem}.png"
+            plot_series(results, p, label, cfg.tick_s)
+            print(f"wrote {p}")
     if a.json:
         payload = next(iter(all_results.values())) if len(all_results) == 1 else all_results
         write_json(a.json, payload)
         print(f"wrote {a.json}")
-    return 0
+    return 0 if compared else 2
 
 
 if __name__ == "__main__":

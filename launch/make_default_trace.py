@@ -1,8 +1,13 @@
-"""Regenerate the bundled default trace from ../shared/traces (kept for provenance).
+"""Regenerate the bundled default traces from ../shared/traces (kept for provenance).
 
-The 50 highest-volume Azure Functions 2019 functions are grouped into four request classes
-by their mean duration; each class's rate is the sum of its functions' invocations per
-minute, and its service time is the invocation-weighted mean duration.
+Platform v2's default, `nasa_http_1995_aug_1min.csv.gz`: HTTP requests per minute at the
+NASA Kennedy Space Center web server from Friday 4 August to Thursday 31 August 1995, four
+whole weeks (the 1-3 August outage, whose last zeros run to 11:28 on the 3rd, is left out).
+
+Platform v1's default, `azure_functions2019_4class_1min.csv`: the 50 highest-volume Azure
+Functions 2019 functions grouped into four request classes by their mean duration; each
+class's rate is the sum of its functions' invocations per minute, and its service time is
+the invocation-weighted mean duration.
 
     python -m launch.make_default_trace [--src ../shared/traces] [--out apex_bdq/data]
 """
@@ -11,7 +16,24 @@ from __future__ import annotations
 
 import argparse
 import csv
+import gzip
 from pathlib import Path
+
+NASA_DAYS = ("1995-08-04", "1995-08-31")  # first and last day kept, inclusive
+
+
+def write_nasa(src: Path, out: Path) -> None:
+    with open(src / "nasa_http_1995_1min.csv", newline="") as f:
+        rows = [r for r in csv.DictReader(f) if NASA_DAYS[0] <= r["date"] <= NASA_DAYS[1]]
+    # mtime=0: the same input gives the same bytes, so the file only changes when the data does.
+    with open(out / "nasa_http_1995_aug_1min.csv.gz", "wb") as raw, \
+            gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz:
+        text = "date,minute_of_day,requests\n" + "".join(
+            f"{r['date']},{r['minute_of_day']},{r['requests']}\n" for r in rows)
+        gz.write(text.encode())
+    days = len({r["date"] for r in rows})
+    print(f"nasa_http_1995_aug_1min.csv.gz: {len(rows)} minutes, {days} days, "
+          f"{sum(int(r['requests']) for r in rows)} requests")
 
 import numpy as np
 
@@ -26,6 +48,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "apex_bdq" / "data"))
     a = ap.parse_args(argv)
     src, out = Path(a.src), Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_nasa(src, out)
     meta = list(csv.DictReader(open(src / "azure_functions2019_invitro1000_top50_meta.csv")))
     dur = {m["class"]: float(m["avg_duration_ms"]) for m in meta}
     with open(src / "azure_functions2019_invitro1000_top50_1min.csv") as f:

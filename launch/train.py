@@ -163,7 +163,8 @@ class LocalTrainer:
         a = cfg.agent
         # Learner: online + target BDQ networks and the optimiser.
         p = cfg.pref
-        self.learner = Learner(cfg.net, a, device=device, seed=cfg.seed, pref_beta=p.beta if p.enabled else 0.0)
+        self.learner = Learner(cfg.net, a, device=device, seed=cfg.seed, pref_beta=p.beta if p.enabled else 0.0,
+                               sim_cfg=cfg.sim)
         # Rollout: S shards acting with the learner's own network (in one process the copy
         # is the same object; after every tick with updates the worker drops its cached
         # Q-values, so it acts on current weights: version lag 0). With preferences on it

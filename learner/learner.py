@@ -94,25 +94,27 @@ def ranking_accuracy(forward_utilities, pairs: list, segments: dict, device: tor
     return float(ex["accuracy"])
 
 
-def apply_initial_policy(net: BDQNetwork, agent_cfg: AgentConfig) -> BDQNetwork:
+def apply_initial_policy(net: BDQNetwork, agent_cfg: AgentConfig, sim_cfg=None) -> BDQNetwork:
     """agent.initial_policy="default": the untrained network's greedy choice becomes the
     platform's default setting (BranchingDuelingHead.start_from); "network" leaves it be.
     Every place that builds a network to train calls this (the local learner, the Ray Train
     learner, the Ape-X driver's version 0), so all start from the same weights."""
     if agent_cfg.initial_policy == "default":
         from apex_bdq.sim.baselines import default_action
-        net.head.start_from(default_action(net.cfg.num_branches, net.cfg.sub_actions))
+        if sim_cfg is None:
+            raise ValueError("agent.initial_policy='default' needs the simulator config (its default action)")
+        net.head.start_from(default_action(sim_cfg))
     return net
 
 
 class Learner:
     def __init__(self, net_cfg: NetConfig, agent_cfg: AgentConfig, device: str | torch.device = "cpu",
-                 seed: int = 0, pref_beta: float = 0.0) -> None:
+                 seed: int = 0, pref_beta: float = 0.0, sim_cfg=None) -> None:
         torch.manual_seed(seed)
         self.device = torch.device(device)
         self.cfg = agent_cfg
         self.pref_beta = pref_beta
-        self.net = apply_initial_policy(BDQNetwork(net_cfg), agent_cfg).to(self.device)
+        self.net = apply_initial_policy(BDQNetwork(net_cfg), agent_cfg, sim_cfg).to(self.device)
         self.target = copy.deepcopy(self.net).requires_grad_(False)
         self.opt = torch.optim.Adam(self.net.parameters(), lr=agent_cfg.lr)
         self.updates = 0

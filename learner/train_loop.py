@@ -266,7 +266,7 @@ def train_loop_per_worker(config: dict) -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if config.get("use_gpu") and torch.cuda.is_available() \
         else torch.device("cpu")
     torch.manual_seed(cfg.seed)  # same initial weights on every rank
-    net = apply_initial_policy(BDQNetwork(cfg.net), cfg.agent)
+    net = apply_initial_policy(BDQNetwork(cfg.net), cfg.agent, cfg.sim)
     resume = config.get("resume")
     base_updates = int(resume["learner"].get("updates", 0)) if resume else 0  # max_updates counts from here
     # A restarted worker group (Ray Train's FailureConfig) starts from the last checkpoint it

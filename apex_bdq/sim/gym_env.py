@@ -1,6 +1,7 @@
-"""Gymnasium front-ends of PlatformSim, so other RL libraries can use the simulator.
+"""Gymnasium front-ends of the platform simulator (`make_sim`: v2 or v1), so other RL
+libraries can use it.
 
-- `PlatformVectorEnv`: a `gymnasium.vector.VectorEnv` over the S shards of one PlatformSim
+- `PlatformVectorEnv`: a `gymnasium.vector.VectorEnv` over the S shards of one simulator
   (MultiDiscrete actions, Dict observations {"macro", "micro"}), autoreset NEXT_STEP.
 - `PlatformEnv`: one shard as a `gymnasium.Env`, registered as ``apex_bdq/Platform-v0``.
 """
@@ -15,16 +16,16 @@ from gymnasium import spaces
 from gymnasium.vector import AutoresetMode, VectorEnv
 
 from apex_bdq.config import SimConfig
-from apex_bdq.sim.platform import MACRO_FEATURES, MICRO_FEATURES, PlatformSim
+from apex_bdq.sim import make_sim, observation_sizes
 
 ENV_ID = "apex_bdq/Platform-v0"
 
 
 def observation_space(cfg: SimConfig) -> spaces.Dict:
+    fm, fu = observation_sizes(cfg)
     return spaces.Dict({
-        "macro": spaces.Box(-np.inf, np.inf, shape=(len(MACRO_FEATURES),), dtype=np.float32),
-        "micro": spaces.Box(-np.inf, np.inf, shape=(cfg.num_classes, cfg.history, len(MICRO_FEATURES)),
-                            dtype=np.float32),
+        "macro": spaces.Box(-np.inf, np.inf, shape=(fm,), dtype=np.float32),
+        "micro": spaces.Box(-np.inf, np.inf, shape=(cfg.num_classes, cfg.history, fu), dtype=np.float32),
     })
 
 
@@ -38,7 +39,7 @@ class PlatformVectorEnv(VectorEnv):
     metadata = {"autoreset_mode": AutoresetMode.NEXT_STEP, "render_modes": []}
 
     def __init__(self, cfg: SimConfig = SimConfig(), split: str = "train", copy: bool = True) -> None:
-        self.sim = PlatformSim(cfg, split=split, copy_obs=copy)
+        self.sim = make_sim(cfg, split=split, copy_obs=copy)
         self.cfg = cfg
         self.num_envs = cfg.num_shards
         self.single_observation_space = observation_space(cfg)
@@ -74,7 +75,7 @@ class PlatformEnv(gym.Env):
     def __init__(self, cfg: Optional[SimConfig] = None, split: str = "train", **overrides: Any) -> None:
         cfg = (cfg or SimConfig()).replace(num_shards=1, **overrides)
         self.cfg = cfg
-        self.sim = PlatformSim(cfg, split=split)
+        self.sim = make_sim(cfg, split=split)
         self.observation_space = observation_space(cfg)
         self.action_space = action_space(cfg)
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from apex_bdq.config import SimConfig
 from apex_bdq.sim.queueing import ErlangCTable
-from apex_bdq.sim.trace import BUNDLED_COLUMNS, BUNDLED_TRACE, TickRates, load_trace, make_tick_rates
+from apex_bdq.sim.trace import TickRates, bundled_trace, load_trace, make_tick_rates, smooth_trace
 
 # Feature layout of the observations (names are part of the interface, for plots and tests).
 MACRO_MONITORED = ("load", "utilisation", "window_utilisation", "window_cost", "window_slo_violation",
@@ -55,23 +55,27 @@ class Observation:
 
 @functools.lru_cache(maxsize=8)
 def _cached_rates(cfg_key: tuple) -> TickRates:
-    (path, _stamp, columns, interval_s, tick_s, k, svc, share, load, eval_frac, val_frac) = cfg_key
-    tr = load_trace(path, columns, interval_s)
+    (path, _stamp, columns, interval_s, smooth_s, tick_s, k, svc, share, load, eval_frac, val_frac) = cfg_key
+    tr = smooth_trace(load_trace(path, columns, interval_s), smooth_s)
     return make_tick_rates(tr, tick_s, k, svc, share, load, eval_frac, val_frac)
 
 
 def make_rates(cfg: SimConfig) -> TickRates:
-    """The trace of `cfg`, resampled and normalised (cached per process and file version)."""
+    """The trace of `cfg` (the platform's bundled one by default), resampled and normalised
+    (cached per process and file version)."""
     t = cfg.trace
-    path = str(t.path or BUNDLED_TRACE)
-    columns = t.columns if t.columns is not None else (BUNDLED_COLUMNS if t.path is None else None)
+    default_path, default_columns, bundled_smooth = bundled_trace(cfg.platform)
+    path = str(t.path or default_path)
+    columns = t.columns if t.columns is not None else (default_columns if t.path is None else None)
     try:
         st = os.stat(path)
         stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
     except OSError:
         stamp = None  # load_trace reports the missing file
-    return _cached_rates((path, stamp, columns, t.interval_s, cfg.tick_s, cfg.num_classes, cfg.service_time_s,
-                          cfg.shares, cfg.mean_load_erlangs, t.eval_fraction, t.validation_fraction))
+    smooth = t.smooth_s if t.smooth_s is not None else (bundled_smooth if t.path is None else 0.0)
+    return _cached_rates((path, stamp, columns, t.interval_s, smooth, cfg.tick_s, cfg.num_classes,
+                          cfg.service_time_s, cfg.shares, cfg.mean_load_erlangs, t.eval_fraction,
+                          t.validation_fraction))
 
 
 class PlatformSim:

@@ -9,6 +9,8 @@ Poisson noise are applied per shard by the simulator, which owns the random stre
 from __future__ import annotations
 
 import csv
+import dataclasses
+import gzip
 import math
 import re
 from dataclasses import dataclass
@@ -18,8 +20,23 @@ from typing import Optional, Sequence
 import numpy as np
 
 DATA_DIR = Path(__file__).resolve().parents[1] / "data"
+# Platform v1's default: one day of Azure Functions 2019, four classes.
 BUNDLED_TRACE = DATA_DIR / "azure_functions2019_4class_1min.csv"
 BUNDLED_COLUMNS = ("c0_lt200ms", "c1_200ms_5s", "c2_5s_60s", "c3_ge60s")
+# Platform v2's default: four weeks of NASA-HTTP 1995 (multi-day, so daily and weekly
+# patterns can be learnt on earlier days and judged on later ones).
+BUNDLED_TRACE_V2 = DATA_DIR / "nasa_http_1995_aug_1min.csv.gz"
+BUNDLED_COLUMNS_V2 = ("requests",)
+
+
+BUNDLED_SMOOTH_S_V2 = 300.0  # trace.smooth_s of the bundled v2 trace (see TraceConfig.smooth_s)
+
+
+def bundled_trace(platform: str) -> tuple[Path, tuple[str, ...], float]:
+    """The default trace file, its rate columns and its smoothing for a platform ("v1" or "v2")."""
+    if platform == "v2":
+        return BUNDLED_TRACE_V2, BUNDLED_COLUMNS_V2, BUNDLED_SMOOTH_S_V2
+    return BUNDLED_TRACE, BUNDLED_COLUMNS, 0.0
 
 # Time columns understood, with seconds per unit. `date` (YYYY-MM-DD) adds whole days.
 TIME_COLUMNS = {"second": 1.0, "seconds": 1.0, "timestamp": 1.0, "time_s": 1.0,
@@ -41,6 +58,7 @@ class Trace:
     counts: np.ndarray  # [T, C] float64, events per row interval
     interval_s: float
     time_of_day_s: np.ndarray  # [T] seconds since midnight at the start of each row
+    time_of_week_s: Optional[np.ndarray] = None  # [T] seconds since Monday 00:00 (weekday from a `date` column)
 
     @property
     def rates_per_s(self) -> np.ndarray:  # [T, C]
@@ -64,9 +82,10 @@ def load_trace(path: str | Path, columns: Optional[Sequence[str]] = None,
     if not p.is_file():
         raise TraceError(f"trace file {str(p)!r} does not exist")
     try:
-        with open(p, newline="") as f:
+        opener = gzip.open if p.suffix == ".gz" else open
+        with opener(p, "rt", newline="") as f:
             rows = list(csv.reader(f))
-    except (OSError, UnicodeDecodeError, csv.Error) as e:
+    except (OSError, EOFError, UnicodeDecodeError, csv.Error) as e:
         raise TraceError(f"trace file {str(p)!r} cannot be read as CSV: {e}") from e
     rows = [r for r in rows if r and any(c.strip() for c in r)]
     if len(rows) < 3:
@@ -110,6 +129,7 @@ def load_trace(path: str | Path, columns: Optional[Sequence[str]] = None,
 
     # Time axis in seconds, if the file has one.
     t = None
+    weekday0 = None  # weekday of the first row's date (Monday = 0), when the file has dates
     if time_cols:
         tc = time_cols[0]
         t = numeric[tc] * TIME_COLUMNS[tc]
@@ -119,6 +139,7 @@ def load_trace(path: str | Path, columns: Optional[Sequence[str]] = None,
             except ValueError as e:
                 raise TraceError(f"trace file {str(p)!r}: bad date in column 'date': {e}") from e
             t = t + (days - days[0]).astype(np.int64) * 86400.0
+            weekday0 = int((days[0] - np.datetime64("1970-01-05", "D")).astype(np.int64) % 7)  # a Monday
     if interval_s is None:
         if t is not None:
             d = np.diff(t)
@@ -134,8 +155,23 @@ def load_trace(path: str | Path, columns: Optional[Sequence[str]] = None,
     if t is None:
         t = np.arange(len(body), dtype=np.float64) * interval_s
     # Gaps (missing days) are closed up: rows are treated as consecutive, time of day kept.
+    # Without dates the weekday is unknown: the day of t = 0 counts as a Monday.
+    tow = np.mod(t + (weekday0 or 0) * 86400.0, 7 * 86400.0)
     return Trace(path=str(p), columns=tuple(columns), counts=counts, interval_s=float(interval_s),
-                 time_of_day_s=np.mod(t, 86400.0))
+                 time_of_day_s=np.mod(t, 86400.0), time_of_week_s=tow)
+
+
+def smooth_trace(trace: Trace, smooth_s: float) -> Trace:
+    """The trace with each rate column replaced by its centred moving average over
+    `smooth_s` seconds (rounded to an odd number of rows; edges padded with the first and
+    last rows); unchanged when that is one row or fewer."""
+    w = int(round(smooth_s / trace.interval_s))
+    if w <= 1:
+        return trace
+    w += 1 - w % 2
+    pad = np.pad(trace.counts, ((w // 2, w // 2), (0, 0)), mode="edge")
+    cum = np.cumsum(np.vstack([np.zeros((1, pad.shape[1])), pad]), axis=0)
+    return dataclasses.replace(trace, counts=(cum[w:] - cum[:-w]) / w)
 
 
 @dataclass(frozen=True)
@@ -149,6 +185,19 @@ class TickRates:
     source: str
     columns: tuple[str, ...]
     val: tuple[int, int] = (0, 0)  # [start, end) validation range (between the two); empty = none
+    time_of_week: Optional[np.ndarray] = None  # [T] float32 in [0, 1), Monday 00:00 = 0
+    tick_s: float = 1.0
+
+    @property
+    def ticks_per_day(self) -> int:
+        return int(round(86400.0 / self.tick_s))
+
+    def describe(self, split: str) -> str:
+        """A split's range in words: ticks, days and where it starts (for tables and logs)."""
+        lo, hi = self.split_range(split)
+        days = (hi - lo) * self.tick_s / 86400.0
+        start = (lo * self.tick_s) / 86400.0
+        return f"{split} ticks {lo:,}-{hi:,} ({days:.2f} days from day {start:.2f} of the trace)"
 
     def split_range(self, split: str) -> tuple[int, int]:
         """The [start, end) ticks of split "train", "val" or "eval"."""
@@ -161,8 +210,9 @@ class TickRates:
         return r
 
 
-def resample(trace: Trace, tick_s: float) -> tuple[np.ndarray, np.ndarray]:
-    """Rates per second at each tick: linear interpolation between row centres."""
+def resample(trace: Trace, tick_s: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rates per second at each tick (linear interpolation between row centres), time of
+    day and time of week at each tick, both as fractions in [0, 1)."""
     n_ticks = int(math.floor(len(trace.counts) * trace.interval_s / tick_s))
     if n_ticks < 2:
         raise TraceError(f"trace file {trace.path!r} is shorter than two ticks of {tick_s} s")
@@ -170,8 +220,19 @@ def resample(trace: Trace, tick_s: float) -> tuple[np.ndarray, np.ndarray]:
     t = (np.arange(n_ticks) + 0.5) * tick_s
     rates = np.stack([np.interp(t, centres, trace.rates_per_s[:, c]) for c in range(trace.counts.shape[1])], 1)
     row = np.minimum((t // trace.interval_s).astype(np.int64), len(trace.counts) - 1)
-    tod = np.mod(trace.time_of_day_s[row] + (t - row * trace.interval_s), 86400.0) / 86400.0
-    return rates, tod
+    into = t - row * trace.interval_s
+    tod = np.mod(trace.time_of_day_s[row] + into, 86400.0) / 86400.0
+    week = trace.time_of_week_s if trace.time_of_week_s is not None else trace.time_of_day_s
+    tow = np.mod(week[row] + into, 7 * 86400.0) / (7 * 86400.0)
+    return rates, tod, tow
+
+
+def _day_aligned(i: int, tod: np.ndarray) -> int:
+    """The day boundary (a tick where the time of day wraps) nearest to tick i."""
+    starts = np.flatnonzero(np.diff(tod) < 0) + 1
+    if len(starts) == 0:
+        return i
+    return int(starts[np.argmin(np.abs(starts - i))])
 
 
 def make_tick_rates(trace: Trace, tick_s: float, num_classes: int, service_time_s: Sequence[float],
@@ -181,8 +242,11 @@ def make_tick_rates(trace: Trace, tick_s: float, num_classes: int, service_time_
 
     One column is split over the K classes by `class_share`; K columns map one-to-one. The
     normalisation uses the training range only, so the held-out range keeps its own level.
+    On a trace of at least four days the split points move to the nearest midnight, so
+    training, validation and held-out ranges are whole days (earlier days train, later days
+    judge).
     """
-    rates, tod = resample(trace, tick_s)
+    rates, tod, tow = resample(trace, tick_s)
     c = rates.shape[1]
     if c == 1:
         rates = np.repeat(rates, num_classes, axis=1)
@@ -190,7 +254,10 @@ def make_tick_rates(trace: Trace, tick_s: float, num_classes: int, service_time_
         raise TraceError(f"trace file {trace.path!r}: {c} rate columns {list(trace.columns)} cannot map onto "
                          f"{num_classes} classes (give 1 column, or exactly num_classes)")
     n = len(rates)
+    multi_day = n * tick_s >= 4 * 86400.0
     split = int(round(n * (1.0 - eval_fraction)))
+    if multi_day:
+        split = _day_aligned(split, tod)
     if split < 1 or n - split < 1:
         raise TraceError(f"trace file {trace.path!r}: {n} ticks are too few to split at eval_fraction={eval_fraction}")
     mean_train = rates[:split].mean(axis=0)
@@ -200,8 +267,11 @@ def make_tick_rates(trace: Trace, tick_s: float, num_classes: int, service_time_
     target_rate = np.asarray(class_share) * mean_load_erlangs / np.asarray(service_time_s)  # [K] per second
     rates = rates * (target_rate / mean_train)
     val = int(round(split * (1.0 - validation_fraction)))
+    if multi_day and validation_fraction > 0:
+        val = _day_aligned(val, tod)
     if validation_fraction > 0 and not (1 <= val < split):
         raise TraceError(f"trace file {trace.path!r}: {split} ticks before the held-out range are too few to "
                          f"split at validation_fraction={validation_fraction}")
     return TickRates(rates=rates.astype(np.float32), time_of_day=tod.astype(np.float32),
-                     train=(0, val), eval=(split, n), source=trace.path, columns=trace.columns, val=(val, split))
+                     train=(0, val), eval=(split, n), source=trace.path, columns=trace.columns, val=(val, split),
+                     time_of_week=tow.astype(np.float32), tick_s=float(tick_s))

@@ -1,0 +1,493 @@
+"""Platform v2: S shards x K request classes, one capacity pool per class, vectorised in numpy.
+
+Each class runs in its own pool of replicas, as Kubernetes runs one Deployment (and one HPA)
+per service. Per tick and shard:
+  1. replicas whose provisioning delay has passed become ready;
+  2. the action, per class: `capacity_k` picks a plan factor f and the class's plan is the
+     replicas the queueing model needs for the SLO at f x its monitored request rate
+     (`apex_bdq.sizing.replicas_for`, the one sizing function); `hold_k` picks a scale-down
+     hold h and the class's target is the highest plan of the last h seconds (in 15-s
+     blocks). New replicas enter a `delay` pipeline; removals cancel the newest booting
+     replicas first, then take ready ones. `admission` sets the backlog limit (level 0
+     admits everything). A rule may set every pool's replicas directly instead;
+  3. arrivals ~ Poisson(rate(t) x tick) from the trace, each shard at its own phase;
+  4. per class an M/M/c queue on its ready replicas (stationary Erlang-C wait, a fluid backlog
+     for overload, admission refusals beyond the limit);
+  5. p99 latency = service + Erlang-C p99 wait + backlog drain time; a request is late when
+     it waits past its SLO's budget; a refused request counts as late (no policy buys SLO
+     compliance by refusing work);
+  6. every ready or booting replica is billed for the tick (per-second cloud billing);
+     reward = revenue of served work - replica cost - refusal penalty - SLO credit, the last
+     settled once per accounting window (a class whose window broke its SLO pays back the
+     value of the work offered to it in that window);
+  7. monitoring: per class the requests in flight (in service + queued: the concurrency
+     Knative's autoscaler and KEDA's HTTP add-on scale on) and the utilisation, averaged over
+     the metrics resolution and read `lag` ticks late; per-class arrival history in coarse
+     blocks; the trace's rate a day and a week ago at a few leads (what a metrics store
+     holds); micro features per class and tick are immediate.
+
+The plan of a capacity tier sizes for the monitored concurrency: at the stationary point it
+is the offered load (Erlangs), and under overload its queue part makes the plan grow.
+
+The observation and info layout matches v1's interface (`Observation`, the info keys the
+trainer, evaluation and preference code read); feature names are in `macro_names(cfg)` and
+`MICRO_FEATURES_V2`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+
+from apex_bdq.config import SimConfig
+from apex_bdq.sim.platform import P99_Q, ActionError, Observation, make_rates
+from apex_bdq.sim.queueing import ErlangCTable
+from apex_bdq.sim.trace import TickRates
+from apex_bdq.sizing import SizingTable, replicas_for
+
+MACRO_GLOBAL_V2 = ("tod_sin", "tod_cos", "tow_sin", "tow_cos", "window_phase", "admission_level",
+                   "history_1d_ok", "history_7d_ok")
+MACRO_CLASS_V2 = ("in_flight", "utilisation", "ready", "booting", "booting_soon", "target", "plan_level",
+                  "hold_level", "last_window_violated")
+MICRO_FEATURES_V2 = ("arrivals", "backlog", "p99_over_slo", "refused", "ready", "booting", "slo_budget_burn")
+MONITORED_V2 = ("load", "rate", "utilisation")
+HOLD_BLOCK_S = 15.0  # the HPA sync period: holds and rules work in blocks of it
+DAY_S, WEEK_S = 86400.0, 7 * 86400.0
+
+
+def macro_names(cfg: SimConfig) -> tuple[str, ...]:
+    """Names of the v2 macro features in order: global ones, then per class k its state,
+    its coarse history (oldest first) and its seasonal rates."""
+    per = list(MACRO_CLASS_V2) + [f"rate_block_{j}" for j in range(cfg.coarse_history)]
+    per += [f"rate_1d_plus_{int(s)}s" for s in cfg.seasonal_leads_s]
+    per += [f"rate_7d_plus_{int(s)}s" for s in cfg.seasonal_leads_s]
+    return MACRO_GLOBAL_V2 + tuple(f"{name}[{k}]" for k in range(cfg.num_classes) for name in per)
+
+
+def pool_caps(cfg: SimConfig, rates: TickRates) -> np.ndarray:
+    """[K] replicas each pool may hold: pool_cap_factor x the class's peak offered load over
+    the whole trace, plus the floor (no burst of the trace is unservable by construction)."""
+    peak = rates.rates.max(axis=0).astype(np.float64) * np.asarray(cfg.service_time_s)  # [K] Erlangs
+    return np.ceil(cfg.pool_cap_factor * peak).astype(np.int64) + max(1, cfg.min_servers)
+
+
+def default_action_v2(cfg: SimConfig) -> tuple[int, ...]:
+    """The platform's default setting: the middle plan factor, HPA's default 300-s hold (the
+    longest hold choice), admit everything."""
+    K, n = cfg.num_classes, cfg.sub_actions
+    return tuple([n // 2] * K + [int(np.argmax(cfg.hold_s))] * K + [0])
+
+
+class PlatformSimV2:
+    """Vectorised platform v2; see the module docstring for the dynamics.
+
+    split, phases, eval_replicas, copy_obs: as PlatformSim (v1). With phases="random" an
+    episode starts at a random tick of the split that leaves room for a whole episode; with
+    phases="even" shard i starts at its phase minus `warmup_ticks` (earlier ticks of the
+    trace: state warms up on real history, the evaluation does not count them).
+    arrival_groups: G > 1 splits the shards into G equal consecutive groups that meet the same
+    Poisson arrivals shard for shard (common random numbers: settings of a rule swept side by
+    side in one run differ by their decisions only).
+    """
+
+    def __init__(self, cfg: SimConfig = SimConfig(), split: str = "train",
+                 rates: Optional[TickRates] = None, copy_obs: bool = True, eval_replicas: int = 1,
+                 phases: Optional[str] = None, warmup_ticks: int = 0, arrival_groups: int = 1) -> None:
+        if cfg.platform != "v2":
+            raise ValueError(f"PlatformSimV2 needs sim.platform='v2', got {cfg.platform!r}")
+        if split not in ("train", "val", "eval"):
+            raise ValueError(f"split must be 'train', 'val' or 'eval', got {split!r}")
+        phases = phases if phases is not None else ("random" if split == "train" else "even")
+        if phases not in ("random", "even"):
+            raise ValueError(f"phases must be 'random' or 'even', got {phases!r}")
+        if phases == "random" and eval_replicas != 1:
+            raise ValueError(f"eval_replicas={eval_replicas!r} needs evenly spaced phases (phases='even')")
+        if not (isinstance(eval_replicas, int) and eval_replicas >= 1 and cfg.num_shards % eval_replicas == 0):
+            raise ValueError(f"eval_replicas must be an int >= 1 dividing num_shards={cfg.num_shards}, "
+                             f"got {eval_replicas!r}")
+        if not (isinstance(warmup_ticks, int) and warmup_ticks >= 0):
+            raise ValueError(f"warmup_ticks must be an int >= 0, got {warmup_ticks!r}")
+        if not (isinstance(arrival_groups, int) and arrival_groups >= 1 and cfg.num_shards % arrival_groups == 0):
+            raise ValueError(f"arrival_groups must be an int >= 1 dividing num_shards={cfg.num_shards}, "
+                             f"got {arrival_groups!r}")
+        if arrival_groups > 1 and (phases != "even" or eval_replicas % arrival_groups):
+            raise ValueError("arrival_groups needs evenly spaced phases with eval_replicas a multiple of it "
+                             "(each group then covers the same ticks)")
+        self.arrival_groups = arrival_groups
+        self.observe = True  # False: step returns no observation (a rule that reads none: evaluation only)
+        self.cfg, self.split, self.phases, self.copy_obs = cfg, split, phases, copy_obs
+        self.eval_replicas, self.warmup_ticks = eval_replicas, warmup_ticks
+        self.rates = rates if rates is not None else make_rates(cfg)
+        if self.rates.rates.shape[1] != cfg.num_classes:
+            raise ValueError(f"rates have {self.rates.rates.shape[1]} classes, config has {cfg.num_classes}")
+        S, K, H, n = cfg.num_shards, cfg.num_classes, cfg.history, cfg.sub_actions
+        self.S, self.K, self.H, self.n, self.P, self.D = S, K, H, n, K, cfg.num_branches
+        self.dt = dt = cfg.tick_s
+        self.range = self.rates.split_range(split)
+        self.range_len = self.range[1] - self.range[0]
+        if phases == "random" and self.range_len <= cfg.episode_ticks:
+            raise ValueError(f"the {split!r} range ({self.range_len} ticks) is not longer than one episode "
+                             f"({cfg.episode_ticks} ticks)")
+        f32 = np.float32
+        svc = np.asarray(cfg.service_time_s, dtype=np.float64)
+        self.mu = (1.0 / svc).astype(f32)  # [K] per second per replica
+        self.inv_mu = svc.astype(f32)  # [K] replica-seconds of work per request
+        self.slo = (np.asarray(cfg.slo_factor) * svc).astype(f32)  # [K] p99 target, seconds
+        self.lat_cap = (cfg.latency_cap_factor * self.slo).astype(f32)
+        self.mean_load = cfg.mean_load_erlangs
+        self.class_load = (np.asarray(cfg.shares) * cfg.mean_load_erlangs).astype(f32)  # [K] Erlangs
+        self.inv_class_load = (1.0 / self.class_load).astype(f32)
+        self.class_rate = (self.class_load * self.mu).astype(f32)  # [K] mean requests per second
+        self.inv_class_rate = (1.0 / self.class_rate).astype(f32)
+        self.inv_mean_n = (1.0 / (self.class_rate * dt)).astype(f32)  # [K] per-tick arrivals -> O(1)
+        self.inv_slo = (1.0 / self.slo).astype(f32)
+        self.lam_table = self.rates.rates.astype(f32)  # [T, K]
+        self.caps = pool_caps(cfg, self.rates)  # [K]
+        self.pool_max = self.caps  # [K] (v1 has one int)
+        self.sizing = SizingTable.build(svc, self.slo.astype(np.float64), self.caps, cfg.min_servers, P99_Q)
+        self.erlang = ErlangCTable(int(self.caps.max()))
+        self.onesK = np.ones(K, dtype=f32)
+        self.plan = np.asarray(cfg.plan_factors, dtype=np.float64)  # [n]
+        self.hold_block = max(1, int(round(HOLD_BLOCK_S / dt)))
+        self.hold_blocks = np.array([math.ceil(h / (self.hold_block * dt) - 1e-9) for h in cfg.hold_s],
+                                    dtype=np.int64)  # [n] closed blocks a hold reaches back
+        self.nb = max(1, int(self.hold_blocks.max()))
+        adm = np.array([1e30] + [2.0 ** (n - 2 - lvl) for lvl in range(n - 1)])  # [n] SLOs of backlog
+        self.adm_slo = (adm[:, None] * self.slo[None, :]).astype(f32)  # [n, K] seconds
+        self.L = max(1, cfg.delay_ticks)
+        self.soon = max(1, self.L // 2)  # "booting_soon": ready within half the delay
+        self.lag = cfg.lag_ticks
+        self.mon_alpha = np.float32(1.0 / max(1, self.lag))
+        self.W = cfg.window_ticks
+        self.cb = max(1, int(round(cfg.coarse_block_s / dt)))  # ticks per coarse history block
+        self.Hc = cfg.coarse_history
+        self.day = int(round(DAY_S / dt))
+        self.week = int(round(WEEK_S / dt))
+        self.leads = np.array([int(round(s / dt)) for s in cfg.seasonal_leads_s], dtype=np.int64)
+        self.macro_names = macro_names(cfg)
+        self.rng = np.random.default_rng(cfg.seed)
+        self.reset(seed=cfg.seed)
+
+    # ---------------------------------------------------------------------------------
+    def reset(self, seed: Optional[int] = None) -> Observation:
+        if seed is not None:
+            self.rng = np.random.default_rng(seed)
+        S, K, H, cfg = self.S, self.K, self.H, self.cfg
+        f32 = np.float32
+        lo = self.range[0]
+        if self.phases == "random":
+            self.offset = lo + self.rng.integers(0, self.range_len - cfg.episode_ticks, size=S)
+        else:
+            phases = S // self.eval_replicas
+            # Warm-up reads the ticks before each phase; at the trace's first tick it is cut short.
+            self.offset = np.maximum(lo + ((np.arange(S) % phases) * self.range_len) // phases - self.warmup_ticks, 0)
+        self.t = 0
+        lam = self.lam_table[self.offset].astype(f32)  # [S, K] requests per second
+        d = default_action_v2(cfg)
+        self.target = replicas_for(lam * self.plan[d[0]], self.sizing).astype(np.int32)  # [S, K]
+        self.active = self.target.copy()
+        self.launched = np.zeros((S, K), dtype=np.int32)
+        self.activated = np.zeros((S, K), dtype=np.int32)
+        self.launch_ring = np.zeros((self.L, S, K), dtype=np.int32)
+        self.pending = np.zeros((S, K), dtype=np.int32)
+        self.ring_ptr = 0
+        self.level = np.empty((S, self.D), dtype=np.int64)  # the sub-actions in force
+        self.level[:] = d
+        # Hold: maxima of the plans per 15-s block; `suffix[j]` = max of the newest j closed blocks.
+        self.hold_ring = np.repeat(self.target[None].astype(np.int32), self.nb, axis=0)  # [nb, S, K]
+        self.hold_open = self.target.copy()
+        self.hold_ptr = 0
+        self._hold_suffix()
+        load = lam * self.inv_mu
+        self.load_est = (load + 1e-6).astype(f32)  # requests in service per class
+        self.backlog = np.zeros((S, K), dtype=f32)
+        self.win_req = np.zeros((S, K), dtype=f32)
+        self.win_late = np.zeros((S, K), dtype=f32)
+        self.win_work = np.zeros((S, K), dtype=f32)
+        self.last_violated = np.zeros((S, K), dtype=f32)
+        fu = len(MICRO_FEATURES_V2)
+        self.micro_buf = np.zeros((S, K, 2 * H, fu), dtype=f32)
+        self.frame = np.zeros((S, K, fu), dtype=f32)
+        as_item = np.dtype((np.void, 4 * fu))
+        self.micro_items = self.micro_buf.view(as_item)[..., 0]
+        self.frame_items = self.frame.view(as_item)[..., 0]
+        self.hist_ptr = 0
+        # Monitored per-class concurrency (Erlangs) and utilisation, read `lag` ticks late.
+        self.mon_load = np.repeat(load[None].astype(f32), self.lag + 1, axis=0)  # [lag+1, S, K]
+        self.mon_util = np.empty((self.lag + 1, S, K), dtype=f32)
+        self.mon_util[:] = np.minimum(load / np.maximum(self.active, 1), 1.0)
+        self.mon_ptr = 0
+        # Coarse history: block means of the observed arrival rate, oldest first, seeded from
+        # the trace before the episode (a platform has history when an episode starts).
+        j = np.arange(self.Hc, 0, -1)[:, None] * self.cb - self.cb // 2  # [Hc, 1] ticks back
+        back = np.maximum(self.offset[None, :] - j, 0)  # [Hc, S]
+        self.coarse = self.lam_table[back].astype(f32)  # [Hc, S, K]
+        self.coarse_acc = np.zeros((S, K), dtype=f32)
+        self.coarse_ptr = 0
+        return self._observe()
+
+    def _hold_suffix(self) -> None:
+        """suffix[j] [S, K]: highest plan over the newest j closed blocks (suffix[0] = 0)."""
+        nb = self.nb
+        order = [(self.hold_ptr - 1 - j) % nb for j in range(nb)]  # newest first
+        suf = np.zeros((nb + 1,) + self.hold_open.shape, dtype=np.int32)
+        np.maximum.accumulate(self.hold_ring[order], axis=0, out=suf[1:])
+        self.suffix = suf
+
+    # ---------------------------------------------------------------------------------
+    def check_actions(self, actions) -> np.ndarray:
+        a = np.asarray(actions)
+        if a.shape != (self.S, self.D):
+            raise ActionError(f"actions must have shape [S={self.S}, D={self.D}] "
+                              f"(branches {self.cfg.branch_names}), got {a.shape}")
+        if a.dtype.kind not in "iu":
+            if a.dtype.kind != "f" or not np.all(np.isfinite(a)) or not np.all(a == np.round(a)):
+                raise ActionError(f"actions must be integers in [0, {self.n - 1}], got dtype {a.dtype} "
+                                  f"with values like {a.reshape(-1)[:4].tolist()}")
+            a = a.astype(np.int64)
+        bad = (a < 0) | (a >= self.n)
+        if bad.any():
+            s, d = np.argwhere(bad)[0]
+            raise ActionError(f"action out of range: shard {s} branch {self.cfg.branch_names[d]!r} = {a[s, d]}, "
+                              f"valid choices are 0..{self.n - 1}")
+        return a
+
+    def trace_index(self) -> np.ndarray:
+        """[S] trace tick of each shard now."""
+        if self.phases == "random":
+            return self.offset + self.t
+        return np.minimum(self.offset + self.t, self.range[1] - 1)
+
+    def plan_for(self, rate: np.ndarray, plan_level: np.ndarray) -> np.ndarray:
+        """[S, K] replicas the capacity branch asks for: the SLO sizing of plan x rate."""
+        return replicas_for(rate * self.plan[plan_level], self.sizing)
+
+    # ---------------------------------------------------------------------------------
+    def step(self, actions, capacity_target=None):
+        """Advance one tick. actions: int [S, D]; capacity_target: optional int [S, K] that
+        replaces the capacity and hold branches (how rules set replicas directly).
+        Returns (obs, reward [S] float64, truncated, info)."""
+        a = self.check_actions(actions)
+        cfg, S, K, dt = self.cfg, self.S, self.K, self.dt
+
+        # 1. provisioning: replicas launched `delay` ticks ago become ready.
+        delayed = cfg.delay_ticks > 0
+        if delayed:
+            due = np.maximum(self.launch_ring[self.ring_ptr] - self.activated, 0)
+            self.activated += due
+            self.active += due
+
+        # 2. targets per class.
+        self.level[:] = a
+        mon_load = self.mon_load[(self.mon_ptr - self.lag) % (self.lag + 1)]  # [S, K] Erlangs, lagged
+        if capacity_target is not None:
+            ct = np.asarray(capacity_target)
+            if ct.shape != (S, K) or ct.dtype.kind not in "iu":
+                raise ActionError(f"capacity_target must be integers of shape [S={S}, K={K}], got "
+                                  f"{ct.dtype} {ct.shape}")
+            want = ct
+        else:
+            plan = self.plan_for(mon_load * self.mu, a[:, :K]).astype(np.int32)  # [S, K]
+            np.maximum(self.hold_open, plan, out=self.hold_open)
+            reach = self.hold_blocks[a[:, K:2 * K]]  # [S, K] closed blocks each hold reaches back
+            held = np.take_along_axis(self.suffix, reach[None], axis=0)[0]
+            # A hold covers the open block (plans since it began) and `reach` closed ones.
+            want = np.where(reach > 0, np.maximum(self.hold_open, held), plan)
+        if self.t % self.hold_block == self.hold_block - 1:  # the open block closes
+            self.hold_ring[self.hold_ptr] = self.hold_open
+            self.hold_ptr = (self.hold_ptr + 1) % self.nb
+            self._hold_suffix()
+            self.hold_open = np.zeros_like(self.hold_open)
+        self.target = np.clip(want, cfg.min_servers, self.caps).astype(np.int32)
+        pending = self.launched - self.activated
+        gap = self.target - (self.active + pending)
+        shrink = np.maximum(-gap, 0)
+        if delayed:
+            cancel = np.minimum(shrink, pending)  # newest booting replicas first
+            self.launched += np.maximum(gap, 0) - cancel
+            if cancel.any():
+                np.minimum(self.launch_ring, self.launched, out=self.launch_ring)
+            self.launch_ring[self.ring_ptr] = self.launched
+            self.ring_ptr = (self.ring_ptr + 1) % self.L
+            self.pending = self.launched - self.activated
+            shrink -= cancel
+        else:
+            self.active += np.maximum(gap, 0)
+        self.active = np.maximum(self.active - shrink, np.minimum(self.active, cfg.min_servers))
+
+        # 3. arrivals.
+        lam = self.lam_table[self.trace_index()]  # [S, K] per second
+        mean_n = lam * dt
+        if not cfg.trace.poisson_noise:
+            arrivals = mean_n.copy()
+        elif self.arrival_groups > 1:
+            arrivals = np.tile(self.rng.poisson(mean_n[:S // self.arrival_groups]).astype(np.float32),
+                               (self.arrival_groups, 1))
+        else:
+            arrivals = self.rng.poisson(mean_n).astype(np.float32)
+
+        # 4-5. queues and latency on the ready replicas.
+        c = self.active.astype(np.float32)
+        served, drops, backlog, p99, late, theta, inv_rate = serve_tick(
+            self, c, self.mu, lam, arrivals, self.adm_slo[a[:, -1]])
+
+        # 6. accounting (normalised by the mean load, so rewards are O(1) at any scale).
+        ones = self.onesK
+        mus_dt = self.mu * dt
+        alpha = np.minimum(mus_dt, 1.0)
+        admitted = np.maximum(arrivals - drops, 0.0)
+        self.load_est += alpha * (admitted / mus_dt - self.load_est)
+        busy_k = np.minimum(self.load_est, c)  # [S, K] busy replicas
+        busy = (busy_k @ ones).astype(np.float64) * dt
+        work_s = ((served * self.inv_mu) @ ones).astype(np.float64)
+        ready = self.active.sum(1)
+        booting = self.pending.sum(1)
+        cost = (ready + booting).astype(np.float64) * dt  # replica-seconds billed
+        revenue = cfg.revenue_per_work * work_s
+        drop_pen = cfg.drop_penalty * ((drops * self.inv_mu) @ ones)
+        self.win_req += arrivals
+        late_req = late * admitted + drops  # refused requests count as late
+        self.win_late += late_req
+        self.win_work += arrivals * self.inv_mu
+        self.t += 1
+        norm = self.mean_load * dt
+        violated = None
+        if self.t % self.W == 0:
+            violated = self.win_late > P99_Q * self.win_req  # [S, K]
+            slo_pen = cfg.slo_credit * cfg.revenue_per_work * ((violated * self.win_work) @ ones)
+            self.last_violated = violated.astype(np.float32)
+            for acc in (self.win_req, self.win_late, self.win_work):
+                acc[...] = 0.0
+            reward = (revenue - cost - drop_pen - slo_pen) / norm
+        else:
+            slo_pen = np.zeros(S)
+            reward = (revenue - cost - drop_pen) / norm
+
+        # 7. monitoring, coarse history, micro history.
+        util_k = busy_k / np.maximum(c, 1.0)
+        prev_l = self.mon_load[self.mon_ptr]
+        prev_u = self.mon_util[self.mon_ptr]
+        self.mon_ptr = (self.mon_ptr + 1) % (self.lag + 1)
+        am = self.mon_alpha
+        self.mon_load[self.mon_ptr] = prev_l + am * (self.load_est + backlog - prev_l)  # in flight
+        self.mon_util[self.mon_ptr] = prev_u + am * (util_k - prev_u)
+        self.coarse_acc += arrivals
+        if self.t % self.cb == 0:
+            self.coarse[self.coarse_ptr] = self.coarse_acc * (1.0 / (self.cb * dt))
+            self.coarse_ptr = (self.coarse_ptr + 1) % self.Hc
+            self.coarse_acc[:] = 0.0
+        self.hist_ptr = h = (self.hist_ptr + 1) % self.H
+        fr = self.frame
+        fr[..., 0] = arrivals * self.inv_mean_n
+        fr[..., 1] = np.minimum(backlog * inv_rate * self.inv_slo, 10.0)
+        fr[..., 2] = p99 * self.inv_slo
+        fr[..., 3] = drops * self.inv_mean_n
+        fr[..., 4] = c * self.inv_class_load
+        fr[..., 5] = self.pending * self.inv_class_load
+        fr[..., 6] = np.minimum(self.win_late / (np.maximum(self.win_req, 1.0) * P99_Q), 10.0)
+        self.micro_items[:, :, h] = self.frame_items
+        self.micro_items[:, :, h + self.H] = self.frame_items
+
+        x = (1.0 - drops / np.maximum(arrivals, 1.0)) * np.minimum(self.slo / p99, 1.0)
+        offered_k = lam * self.inv_mu
+        info = {
+            "served": revenue / norm, "cost": cost / norm, "slo_penalty": slo_pen / norm,
+            "drop_penalty": drop_pen / norm,
+            "overload": (((backlog > 0) | (theta <= 0)) @ ones) > 0,
+            "fairness": (x @ ones) ** 2 / (K * np.maximum((x * x) @ ones, 1e-12)),
+            "slo_violation": ((p99 > self.slo) @ ones) > 0,
+            "window_violated": violated,
+            "late_requests": late_req,
+            "p99_s": p99, "utilisation": busy / np.maximum(ready * dt, 1e-9), "servers": ready, "pending": booting,
+            "arrivals": arrivals, "served_requests": served, "dropped": drops, "backlog": backlog,
+            "offered_erlangs": offered_k @ ones, "busy": busy / norm,
+            "servers_k": self.active, "target_k": self.target,
+        }
+        truncated = self.t >= cfg.episode_ticks
+        return (self._observe() if self.observe else None), reward, truncated, info
+
+    # ---------------------------------------------------------------------------------
+    def seasonal(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The trace's rate a day and a week before `idx` at each lead: ([S, J, K], [S, J, K],
+        day available [S], week available [S]); zeros where the trace does not reach back."""
+        day_i = idx[:, None] - self.day + self.leads[None, :]  # [S, J]
+        week_i = idx[:, None] - self.week + self.leads[None, :]
+        ok_d = idx >= self.day
+        ok_w = idx >= self.week
+        d = self.lam_table[np.maximum(day_i, 0)] * ok_d[:, None, None]
+        w = self.lam_table[np.maximum(week_i, 0)] * ok_w[:, None, None]
+        return d, w, ok_d, ok_w
+
+    def _observe(self) -> Observation:
+        S, K, n = self.S, self.K, self.n
+        idx = self.trace_index()
+        g = len(MACRO_GLOBAL_V2)
+        per = len(MACRO_CLASS_V2) + self.Hc + 2 * len(self.leads)
+        macro = np.empty((S, g + K * per), dtype=np.float32)
+        cls = np.empty((S, K, per), dtype=np.float32)
+        two_pi = 2.0 * np.pi
+        tod = two_pi * self.rates.time_of_day[idx]
+        tow = two_pi * self.rates.time_of_week[idx]
+        d, w, ok_d, ok_w = self.seasonal(idx)
+        macro[:, 0], macro[:, 1] = np.sin(tod), np.cos(tod)
+        macro[:, 2], macro[:, 3] = np.sin(tow), np.cos(tow)
+        macro[:, 4] = (self.t % self.W) / self.W
+        macro[:, 5] = self.level[:, -1] * (1.0 / (n - 1))
+        macro[:, 6], macro[:, 7] = ok_d, ok_w
+        lagged = (self.mon_ptr - self.lag) % (self.lag + 1)
+        inv_load = self.inv_class_load
+        cls[..., 0] = self.mon_load[lagged] * inv_load
+        cls[..., 1] = self.mon_util[lagged]
+        cls[..., 2] = self.active * inv_load
+        cls[..., 3] = self.pending * inv_load
+        soon = self.launch_ring[(self.ring_ptr + self.soon - 1) % self.L] - self.activated  # ready within L/2
+        cls[..., 4] = np.clip(soon, 0, None) * inv_load
+        cls[..., 5] = self.target * inv_load
+        cls[..., 6] = self.level[:, :K] * (1.0 / (n - 1))
+        cls[..., 7] = self.level[:, K:2 * K] * (1.0 / (n - 1))
+        cls[..., 8] = self.last_violated
+        m = len(MACRO_CLASS_V2)
+        order = (self.coarse_ptr + np.arange(self.Hc)) % self.Hc  # oldest first
+        cls[..., m:m + self.Hc] = (self.coarse[order] * self.inv_class_rate).transpose(1, 2, 0)
+        J = len(self.leads)
+        cls[..., m + self.Hc:m + self.Hc + J] = (d * self.inv_class_rate).transpose(0, 2, 1)
+        cls[..., m + self.Hc + J:] = (w * self.inv_class_rate).transpose(0, 2, 1)
+        macro[:, g:] = cls.reshape(S, K * per)
+        p = self.hist_ptr + 1
+        micro = self.micro_buf[:, :, p:p + self.H]
+        return Observation(macro=macro, micro=micro.copy() if self.copy_obs else micro)
+
+    def monitored(self) -> dict:
+        """What a metrics system reports per class, each [S, K] and `lag` ticks late: "load",
+        requests in flight (Erlangs at the stationary point); "rate", the request rate that
+        load implies (load / service time); "utilisation" of the class's ready replicas."""
+        lagged = (self.mon_ptr - self.lag) % (self.lag + 1)
+        load = self.mon_load[lagged]
+        return {"load": load, "rate": load * self.mu, "utilisation": self.mon_util[lagged]}
+
+
+def serve_tick(sim, c: np.ndarray, mu: np.ndarray, lam: np.ndarray, arrivals: np.ndarray, adm_slo: np.ndarray):
+    """One tick of the per-class M/M/c queues: c [S, K] replicas at rate mu [K] (or [S, K]),
+    true rate lam, `arrivals` this tick, admission limit `adm_slo` [S, K] seconds of backlog.
+    Sets sim.backlog; returns (served, refused, backlog, p99, late share, theta, 1/rate)."""
+    dt = sim.dt
+    rate = c * mu  # [S, K] requests per second
+    rate_pos = np.maximum(rate, 1e-9)
+    avail = sim.backlog + arrivals
+    served = np.minimum(avail, rate * dt)
+    q = avail - served
+    drops = np.maximum(q - rate_pos * adm_slo, 0.0)
+    sim.backlog = backlog = q - drops
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        inv_rate = 1.0 / rate_pos
+        pw = sim.erlang(c, lam * inv_rate)
+        theta = rate - lam
+        w99 = np.maximum(np.log(pw * (1.0 / P99_Q)) / np.maximum(theta, 1e-9), 0.0)
+        drain = backlog * inv_rate
+        svc = 1.0 / mu
+        p99 = np.minimum(svc + w99 + drain, sim.lat_cap)
+        budget = sim.slo - svc - drain
+        late = np.where(budget > 0, np.minimum(pw * np.exp(-theta * budget), 1.0), 1.0)
+    return served, drops, backlog, p99, late, theta, inv_rate
