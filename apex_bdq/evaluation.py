@@ -20,7 +20,8 @@ from apex_bdq.config import SimConfig
 from apex_bdq.sim import make_sim
 
 METRIC_KEYS = ("reward", "slo_violation_rate", "p99_ms", "utilisation", "cost", "drop_rate", "fairness")
-WARMUP_S = 1800.0  # v2: platform time each evaluation shard runs before its phase, not counted
+WARMUP_S = 900.0  # v2: platform time each evaluation shard runs before its phase, not counted (3x the
+# longest state: HPA's 300-s window, the 300-s hold, the 321-s class's load estimate)
 
 
 @dataclass

@@ -283,6 +283,43 @@ def frontiers(cfg: SimConfig, shards: int, replicas: int, seed: int = 12345, spl
     return out
 
 
+def report(cfg: SimConfig, m: dict, shards: int, replicas: int, ticks: Optional[int] = None,
+           seed: int = 12345, log: Optional[Callable[[str], None]] = None) -> dict:
+    """The yardstick of one policy evaluated with metrics `m` on `cfg`'s held-out range with
+    this layout (the frontiers come from the cache or are computed): judge()'s figures plus
+    the headroom, or {"refused": reason}."""
+    f = frontiers(cfg, shards, replicas, seed=seed, ticks=ticks, log=log)
+    try:
+        check_resolution(f["frontiers"], m["slo_windows"])
+    except YardstickError as e:
+        return {"refused": str(e)}
+    out = judge(m, f["frontiers"], f["oracle"])
+    out["headroom"] = headroom(f["frontiers"], f["oracle"], (m["slo_violation_rate"],), m["slo_windows"])[0] \
+        if f["oracle"] else None
+    out["frontiers_cached"] = f["cached"]
+    return out
+
+
+def summary(name: str, m: dict, y: dict) -> list[str]:
+    """Printable lines for a policy's yardstick (`report`'s output)."""
+    if "refused" in y:
+        return [f"yardstick: comparison refused: {y['refused']}"]
+    lines = [f"{name}: cost {m['cost']:.3f} at SLO violation rate {m['slo_violation_rate']:.4f}, "
+             f"refused {100 * (m.get('refused_share') or 0.0):.2f} % of requests"]
+    s, rule = y["cost_saving_vs_best_rule"], y["best_rule_at_violation_rate"]
+    if s is None:
+        lines.append("  no rule's frontier reaches that violation rate (outside every sweep): no cost comparison")
+    else:
+        lines.append(f"  cost vs the best rule at that violation rate ({rule}, {y['best_rule_cost']:.3f}): "
+                     f"{-100 * s:+.1f} %" + ("" if y["oracle_gap_closed"] is None else
+                                            f"; the oracle {y['oracle_cost']:.3f}: closes "
+                                            f"{100 * y['oracle_gap_closed']:.0f} % of the gap"))
+    r = y["violation_ratio_vs_best_rule"]
+    if r is not None:
+        lines.append(f"  violation rate vs the best rule at that cost ({y['best_rule_at_cost']}): x{r:.2f}")
+    return lines
+
+
 def as_table_rows(points: list[dict]) -> list[tuple]:
     """(setting, cost, violation, on the Pareto frontier?) rows for printing."""
     front = {id(p) for p in pareto(points)}

@@ -64,7 +64,7 @@ def _time_steps(step_fn, actions: np.ndarray, seconds: float) -> float:
 
 def bench_sim(repeats: int, seconds: float) -> dict:
     from apex_bdq.config import SimConfig
-    from apex_bdq.sim.platform import PlatformSim
+    from apex_bdq.sim import make_sim
 
     pinned = _pin_one_core()
     base = SimConfig()
@@ -74,7 +74,7 @@ def bench_sim(repeats: int, seconds: float) -> dict:
                     "numpy": np.__version__, "vectorised": {}, "loop": {}}
     for S in (1, 64, 1024):
         cfg = base.replace(num_shards=S)
-        sim = PlatformSim(cfg)
+        sim = make_sim(cfg)
         acts = _policy_actions(rng, S, cfg.num_branches, cfg.sub_actions, 64)
 
         def vec_step(a, sim=sim):
@@ -87,7 +87,7 @@ def bench_sim(repeats: int, seconds: float) -> dict:
         loop = None
         if S > 1:
             # The same dynamics, one single-shard simulator per shard, stepped in a Python loop.
-            singles = [PlatformSim(base.replace(num_shards=1, seed=i)) for i in range(S)]
+            singles = [make_sim(base.replace(num_shards=1, seed=i)) for i in range(S)]
 
             def loop_step(a, singles=singles):
                 for i, s in enumerate(singles):
@@ -101,7 +101,7 @@ def bench_sim(repeats: int, seconds: float) -> dict:
         rows.append((S, result["vectorised"][S], min(vec), max(vec), loop))
     # The zero-copy path (micro history returned as a view, valid until the next step) that a
     # trainer uses when it copies observations into replay itself.
-    sim = PlatformSim(base.replace(num_shards=1024), copy_obs=False)
+    sim = make_sim(base.replace(num_shards=1024), copy_obs=False)
     acts = _policy_actions(rng, 1024, base.num_branches, base.sub_actions, 64)
 
     def view_step(a, sim=sim):
@@ -486,12 +486,12 @@ def _overload_reference(net, cfg, decisions: int, seed: int) -> dict:
     exploration at all, and the most cautious constant action (top capacity tier, fastest
     servers, middle priority and admission levels) with its reward."""
     from actors.rollout import RolloutWorker
-    from apex_bdq.sim.platform import PlatformSim
+    from apex_bdq.sim import make_sim
     S, n = cfg.sim.num_shards, cfg.sim.sub_actions
     w = RolloutWorker(cfg.sim, cfg.agent, net, epsilons=np.zeros(S), seed=seed + 1000)
     for _ in range(decisions):
         w.step()
-    sim = PlatformSim(cfg.sim.replace(seed=seed + 1000))
+    sim = make_sim(cfg.sim.replace(seed=seed + 1000))
     sim.reset(seed=seed + 1000)
     a = np.full((S, cfg.sim.num_branches), n // 2)
     a[:, :cfg.sim.num_pools] = n - 1  # capacity branch(es)

@@ -38,3 +38,16 @@ def ray_local():
              log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _yardstick_cache(tmp_path_factory):
+    """The rules' frontiers are cached per platform and trace: tests keep theirs apart from
+    the user's (~/.cache/apex-bdq), in one folder for the session."""
+    old = os.environ.get("APEX_BDQ_CACHE")
+    os.environ["APEX_BDQ_CACHE"] = str(tmp_path_factory.mktemp("apex_bdq_cache"))
+    yield
+    if old is None:
+        os.environ.pop("APEX_BDQ_CACHE", None)
+    else:
+        os.environ["APEX_BDQ_CACHE"] = old

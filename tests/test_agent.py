@@ -13,7 +13,7 @@ from apex_bdq.config import AgentConfig, ConfigError, NetConfig, SimConfig, Trai
 from apex_bdq.nstep import NStepAccumulator
 from launch import evaluate, train
 from learner.learner import Learner
-from apex_bdq.sim.platform import PlatformSim
+from apex_bdq.sim import make_sim
 
 
 def test_nstep_returns_by_hand():
@@ -64,7 +64,7 @@ def test_rollout_worker_ladder_transitions_and_priorities():
     assert agent.epsilons(4)[0] == pytest.approx(0.4) and agent.epsilons(4)[-1] == pytest.approx(0.4 ** 8)
     net = Learner(NetConfig.for_sim(sim), agent).net
     w = RolloutWorker(sim, agent, net, seed=0)
-    ref = PlatformSim(sim.replace(seed=0))
+    ref = make_sim(sim.replace(seed=0))
     ref.reset(seed=0)
     got = [w.step() for _ in range(10)]
     assert got[0] is None and got[1] is None and len(got[2]) == 4
@@ -107,8 +107,8 @@ def test_smoke_training_writes_json_checkpoint_and_evaluates(tmp_path, capsys):
     # The checkpoint is a policy for the evaluate entry point.
     ev = tmp_path / "ev.json"
     assert evaluate.main(["--policy", f"checkpoint:{ck}", "--ticks", "30", "--shards", "2", "--json", str(ev),
-                          "--quiet"]) == 0
-    m = json.loads(ev.read_text())[f"checkpoint:{ck}"]
+                          "--no-frontier", "--quiet"]) == 0
+    m = json.loads(ev.read_text())["policies"][f"checkpoint:{ck}"]
     assert np.isfinite(m["reward"])
     # Resume continues the counters.
     trainer = train.LocalTrainer(train.PRESETS["smoke"])
@@ -127,25 +127,34 @@ def test_checkpoint_errors_name_the_problem(tmp_path, capsys):
     torch.save({"format": "something-else"}, other)
     with pytest.raises(CheckpointError, match="format 'something-else'"):
         load_policy(other)
-    # A checkpoint trained for per-class capacity (D = 6) does not fit the default simulator.
-    cfg = dataclasses.replace(train.PRESETS["smoke"], sim=SimConfig(num_shards=4, per_class_capacity=True), net=None)
+    # A checkpoint trained on platform v1 (D = 4) does not act on v2 (D = 9), and says why ...
+    v1 = SimConfig(platform="v1", num_shards=4)
+    cfg = dataclasses.replace(train.PRESETS["smoke"], sim=v1, net=None)
     t = train.LocalTrainer(cfg)
-    ck = tmp_path / "d6.pt"
+    ck = tmp_path / "v1.pt"
     t.checkpoint(ck)
-    with pytest.raises(CheckpointError, match="num_branches: checkpoint 6 vs config 4"):
+    with pytest.raises(CheckpointError, match="trained on platform v1, this run's platform is v2"):
         load_policy(ck, SimConfig())
+    assert load_policy(ck, v1).platform == "v1"
     with pytest.raises(CheckpointError, match="trained with network"):
         train.LocalTrainer(train.PRESETS["smoke"]).resume(ck)
-    # launch.evaluate scores a checkpoint on the platform it was trained for (here per-class
-    # capacity), not on the default one ...
+    # ... a checkpoint saved before platform v2 existed (no `platform` field) is a v1 one ...
+    old = torch.load(ck, weights_only=True)
+    del old["config"]["sim"]["platform"]
+    torch.save(old, tmp_path / "old.pt")
+    assert load_policy(tmp_path / "old.pt", v1).platform == "v1"
+    # ... launch.evaluate scores a checkpoint on the platform it was trained for ...
     capsys.readouterr()
-    assert evaluate.main(["--policy", f"checkpoint:{ck}", "--ticks", "4", "--shards", "1", "--quiet"]) == 0
-    assert "differs from the default in per_class_capacity=True" in capsys.readouterr().out
+    assert evaluate.main(["--policy", f"checkpoint:{tmp_path / 'old.pt'}", "--ticks", "4", "--shards", "1",
+                          "--no-frontier", "--quiet"]) == 0
+    assert capsys.readouterr().out.startswith("platform v1")
+    assert evaluate.main(["--policy", f"checkpoint:{ck}", "--platform", "v2", "--quiet"]) == 2
+    assert "trained on platform v1" in capsys.readouterr().err
     # ... and does not put checkpoints of different platforms in one table.
     smoke_ck = tmp_path / "smoke.pt"
     train.LocalTrainer(train.PRESETS["smoke"]).checkpoint(smoke_ck)
     assert evaluate.main(["--policy", f"checkpoint:{ck},checkpoint:{smoke_ck}", "--quiet"]) == 2
-    assert "trained on different platforms (sim fields per_class_capacity)" in capsys.readouterr().err
+    assert "trained on different platforms (sim fields platform" in capsys.readouterr().err
 
 
 def test_train_config_checks():
@@ -154,7 +163,9 @@ def test_train_config_checks():
     with pytest.raises(ConfigError, match="learning_starts=10 must be >= batch_size=32"):
         AgentConfig(batch_size=32, learning_starts=10)
     with pytest.raises(ConfigError, match="num_branches=5 does not match"):
-        TrainConfig(net=NetConfig(num_branches=5))
+        TrainConfig(net=dataclasses.replace(NetConfig.for_sim(SimConfig()), num_branches=5))
+    with pytest.raises(ConfigError, match="macro_features=16 does not match the simulator"):
+        TrainConfig(net=NetConfig())  # v1's observation width on the v2 platform
 
 
 def test_resume_auto_continues_the_checkpoint_with_its_own_config(tmp_path, capsys):
@@ -258,7 +269,7 @@ def test_local_trainer_with_the_distributional_head_trains_and_checkpoints(tmp_p
     tr.checkpoint(ck)
     pol = load_policy(ck, cfg.sim)
     assert pol.net.cfg.quantiles == 4
-    o = PlatformSim(cfg.sim).reset(seed=0)
+    o = make_sim(cfg.sim).reset(seed=0)
     q = pol.net(torch.from_numpy(o.macro), torch.from_numpy(o.micro))
     assert q.shape == (cfg.sim.num_shards, cfg.net.num_branches, cfg.net.sub_actions)
 
@@ -383,7 +394,7 @@ def test_slo_burn_penalty_charges_each_windows_capped_error_budget_burn_tick_by_
     w = RolloutWorker(sim, agent, net, seed=3)
     got = [w.step() for _ in range(22)]  # two episodes of 11 decisions (the second reset mid-window)
     trs = [t for t in got if t is not None]
-    ref = PlatformSim(sim.replace(seed=3))
+    ref = make_sim(sim.replace(seed=3))
     ref.reset(seed=3)
     unit = ref.inv_mean_n / (0.01 * W)
     burn = np.zeros((4, ref.K))
@@ -426,8 +437,8 @@ def test_initial_policy_default_starts_from_the_platforms_default_setting(quanti
     base = train.PRESETS["smoke"]
     cfg = dataclasses.replace(base, net=dataclasses.replace(base.net, quantiles=quantiles),
                               agent=dataclasses.replace(base.agent, initial_policy="default"))
-    want = default_action(cfg.net.num_branches, cfg.net.sub_actions)
-    assert want == (2, 2, 0, 4)  # middle capacity tier, proportional shares, admit all, full speed
+    want = default_action(cfg.sim)
+    assert want == (2,) * 4 + (4,) * 4 + (0,)  # v2: middle plan factor and HPA's 300-s hold per class, admit all
     tr = train.LocalTrainer(cfg)
     g = torch.Generator().manual_seed(0)
     macro = torch.randn(64, cfg.net.macro_features, generator=g) * 3
@@ -460,9 +471,10 @@ def test_policy_selection_scores_on_the_validation_range_when_there_is_one():
     assert row["split"] == "val"
     from apex_bdq.evaluation import evaluate_policy
     from apex_bdq.sim.baselines import HPA
-    hpa_val = evaluate_policy(HPA(), cfg.sim, shards=8, replicas=1, split="val").metrics
+    hpa_val = evaluate_policy(HPA(), cfg.sim, shards=8, replicas=1, split="val", ticks=cfg.constraint_ticks).metrics
     assert row["hpa_reward"] == hpa_val["reward"]  # HPA on the validation range, not the training range
-    assert train.PolicySelector(base).split == "train"
+    no_val = apply_overrides(base, ["sim.trace.validation_fraction=0"])
+    assert train.PolicySelector(no_val).split == "train" and train.PolicySelector(base).split == "val"
     m, _ = tr.selector.train_range(tr.learner.net)  # the dual-ascent yardstick stays on the training range
     assert m["reward"] != row["reward"]
     with pytest.raises(ConfigError, match=r"TraceConfig has no field 'nope'"):

@@ -1,14 +1,23 @@
-"""Baseline rules behave as their documentation says, on the real simulator."""
+"""Baseline rules behave as their documentation says, on the real simulator.
+
+Platform v1 (one shared pool; kept so that checkpoints trained on it still evaluate):
+`SimConfig` here is v1's. Platform v2 has its own tests (test_platform_v2.py, test_yardstick.py).
+"""
 
 import math
 
 import numpy as np
 import pytest
 
-from apex_bdq.config import ConfigError, SimConfig, TraceConfig
+import functools
+
+from apex_bdq.config import ConfigError, TraceConfig
+from apex_bdq.config import SimConfig as _SimConfig
 from apex_bdq.evaluation import evaluate_policy
 from apex_bdq.sim.baselines import HPA, QueueThreshold, RandomPolicy, StaticPeak, TargetTracking, make_baseline
 from apex_bdq.sim.platform import PlatformSim
+
+SimConfig = functools.partial(_SimConfig, platform="v1")
 
 
 def steady_sim(step_trace, rate=(200.0, 4.0, 1.0, 0.04), high=None, at=10 ** 9, **kw):
@@ -179,7 +188,7 @@ def test_validation_range_lies_between_training_and_held_out_and_leaves_the_test
     validation range: the three ranges partition the trace, the held-out range and the rates
     (normalised over training + validation) are what they were without it, training shards
     start only in the shortened training range, and split="val" without one says so."""
-    plain = SimConfig(num_shards=8)
+    plain = SimConfig(num_shards=8, trace=TraceConfig(validation_fraction=0.0))
     cfg = plain.replace(trace=TraceConfig(validation_fraction=0.2))
     r0, r = PlatformSim(plain).rates, PlatformSim(cfg).rates
     assert r.train[0] == 0 and r.train[1] == r.val[0] and r.val[1] == r.eval[0] == r0.eval[0]

@@ -22,25 +22,27 @@ def test_single_shard_env_passes_the_gymnasium_checker():
 
 
 def test_single_env_is_deterministic_and_rejects_bad_actions():
+    D = SimConfig().num_branches
+
     def roll(seed):
         env = PlatformEnv()
         env.reset(seed=seed)
-        return [env.step(np.array([1, 2, 3, 4]))[1] for _ in range(30)]
+        return [env.step(np.arange(D) % 5)[1] for _ in range(30)]
 
     assert roll(4) == roll(4)
     env = PlatformEnv()
     env.reset(seed=0)
-    with pytest.raises(ActionError, match=r"shape \[D=4\]"):
+    with pytest.raises(ActionError, match=rf"shape \[D={D}\]"):
         env.step(np.array([1, 2]))
     with pytest.raises(ActionError, match="out of range"):
-        env.step(np.array([9, 0, 0, 0]))
+        env.step(np.array([9] + [0] * (D - 1)))
 
 
 def test_vector_env_contract_and_next_step_autoreset():
     env = PlatformVectorEnv(SimConfig(num_shards=3, episode_s=5.0))
     obs, _ = env.reset(seed=0)
     assert env.observation_space.contains(obs)
-    assert env.action_space.shape == (3, 4)
+    assert env.action_space.shape == (3, SimConfig().num_branches)
     truncs = []
     for _ in range(7):
         obs, r, term, trunc, info = env.step(env.action_space.sample())

@@ -6,7 +6,7 @@ import torch
 from apex_bdq.config import SimConfig
 from apex_bdq.losses import bdq_quantile_td_loss, bdq_td_loss
 from apex_bdq.networks import BDQNetwork, NetConfig
-from apex_bdq.sim.platform import PlatformSim
+from apex_bdq.sim import make_sim
 
 
 def obs(cfg: NetConfig, b: int = 3, seed: int = 0):
@@ -17,16 +17,17 @@ def obs(cfg: NetConfig, b: int = 3, seed: int = 0):
 
 def test_shapes_and_dueling_identity_on_real_observations():
     sim_cfg = SimConfig(num_shards=6)
-    sim = PlatformSim(sim_cfg)
+    sim = make_sim(sim_cfg)
     o = sim.reset(seed=0)
     net = BDQNetwork(NetConfig.for_sim(sim_cfg))
     macro, micro = torch.from_numpy(o.macro), torch.from_numpy(o.micro)
     q = net(macro, micro)
-    assert q.shape == (6, 4, 5)
+    D = sim_cfg.num_branches  # v2: capacity and hold per class, admission
+    assert q.shape == (6, D, 5) and D == 9
     z = net.represent(macro, micro)
     v = net.head.value(z)  # [B, 1]
     # Q_d = V + A_d - mean A_d: the mean over sub-actions of every branch is V.
-    torch.testing.assert_close(q.mean(-1), v.expand(-1, 4), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(q.mean(-1), v.expand(-1, D), rtol=1e-5, atol=1e-5)
 
 
 def test_output_and_head_grow_linearly_in_branches():

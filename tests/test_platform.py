@@ -1,13 +1,22 @@
-"""PlatformSim dynamics: conservation, determinism, delays, delayed reward, errors."""
+"""PlatformSim dynamics: conservation, determinism, delays, delayed reward, errors.
+
+Platform v1 (one shared pool; kept so that checkpoints trained on it still evaluate):
+`SimConfig` here is v1's. Platform v2 has its own tests (test_platform_v2.py, test_yardstick.py).
+"""
 
 import numpy as np
 import pytest
 
-from apex_bdq.config import ConfigError, SimConfig, TraceConfig
+import functools
+
+from apex_bdq.config import ConfigError, TraceConfig
+from apex_bdq.config import SimConfig as _SimConfig
 from apex_bdq.sim.platform import MACRO_FEATURES, MACRO_MONITORED, MICRO_FEATURES, ActionError, PlatformSim
 from apex_bdq.sim.queueing import wait_quantile
 
 from conftest import random_actions
+
+SimConfig = functools.partial(_SimConfig, platform="v1")
 
 
 def hold(sim, admission=0, speed=None):

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from apex_bdq.config import BUNDLED_SERVICE_TIME_S, SimConfig, TraceConfig
+from apex_bdq.sim import make_sim
 from apex_bdq.sim.platform import make_rates
 from apex_bdq.sim.trace import BUNDLED_COLUMNS, BUNDLED_TRACE, DATA_DIR, TraceError, load_trace, make_tick_rates
 
@@ -54,11 +55,13 @@ def test_bundled_trace_and_its_service_times():
 def test_normalised_to_target_load_on_training_range():
     cfg = SimConfig(mean_load_erlangs=30.0, class_share=(1, 1, 2, 4))
     r = make_rates(cfg)
-    lo, hi = r.train
+    lo, hi = r.train[0], r.eval[0]  # training + validation: what the rates are normalised over
     load = r.rates[lo:hi] * np.asarray(cfg.service_time_s)  # Erlangs per class
     np.testing.assert_allclose(load.mean(0), np.array([1, 1, 2, 4]) / 8 * 30.0, rtol=1e-3)
-    assert r.train[1] == r.eval[0] and r.eval[1] == len(r.rates)
-    assert (r.eval[1] - r.eval[0]) == pytest.approx(0.25 * len(r.rates), abs=1)
+    assert r.train[1] == r.val[0] and r.val[1] == r.eval[0] and r.eval[1] == len(r.rates)
+    # The bundled v2 trace is four whole weeks: 7 held-out days, 3 validation days, 18 training days.
+    day = r.ticks_per_day
+    assert (r.eval[1] - r.eval[0], r.val[1] - r.val[0], r.train[1]) == (7 * day, 3 * day, 18 * day)
 
 
 def test_resampling_keeps_the_volume(step_trace, tmp_path):
@@ -119,4 +122,4 @@ def test_sim_config_with_a_bad_trace_fails_when_built(tmp_path):
     p = tmp_path / "bad.csv"
     p.write_text("minute,req\n0,1\n1,x\n")
     with pytest.raises(TraceError, match="bad.csv"):
-        PlatformSim(SimConfig(trace=TraceConfig(path=str(p))))
+        make_sim(SimConfig(trace=TraceConfig(path=str(p))))

@@ -96,9 +96,12 @@ class PlatformSim:
     server counts are integers.
     """
 
-    def __init__(self, cfg: SimConfig = SimConfig(), split: str = "train",
+    def __init__(self, cfg: SimConfig = SimConfig(platform="v1"), split: str = "train",
                  rates: Optional[TickRates] = None, copy_obs: bool = True, eval_replicas: int = 1,
                  phases: Optional[str] = None) -> None:
+        if cfg.platform != "v1":
+            raise ValueError(f"PlatformSim is platform v1 (sim.platform={cfg.platform!r}): build the simulator "
+                             f"with apex_bdq.sim.make_sim(cfg)")
         if split not in ("train", "val", "eval"):
             raise ValueError(f"split must be 'train', 'val' or 'eval', got {split!r}")
         phases = phases if phases is not None else ("random" if split == "train" else "even")
