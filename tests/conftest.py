@@ -51,3 +51,21 @@ def _yardstick_cache(tmp_path_factory):
         os.environ.pop("APEX_BDQ_CACHE", None)
     else:
         os.environ["APEX_BDQ_CACHE"] = old
+
+
+@pytest.fixture
+def daily_trace(tmp_path):
+    """A synthetic 1-min trace of `days` days: a daily cycle (peak/trough 3) plus bursts."""
+
+    def make(days=2, name="daily_1min.csv", seed=0):
+        rng = np.random.default_rng(seed)
+        n = days * 1440
+        m = np.arange(n)
+        base = 100.0 * (2.0 - np.cos(2 * np.pi * m / 1440.0))  # 100..300 per minute
+        bursts = np.where(rng.random(n) < 0.01, rng.uniform(1.5, 3.0, n), 1.0)
+        rate = base * np.convolve(bursts, np.ones(5) / 5, mode="same")
+        p = tmp_path / name
+        p.write_text("minute,requests\n" + "\n".join(f"{i},{r:.2f}" for i, r in enumerate(rate)) + "\n")
+        return p
+
+    return make

@@ -15,41 +15,72 @@ from conftest import SHARED_TRACES
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_evaluate_writes_table_json_and_plot(tmp_path, capsys):
-    out, png = tmp_path / "eval.json", tmp_path / "eval.png"
-    rc = evaluate.main(["--policy", "hpa,static", "--ticks", "70", "--shards", "2", "--json", str(out),
+def test_evaluate_judges_every_policy_against_the_rules_frontiers(tmp_path, capsys, daily_trace):
+    """`--policy all` on a two-day trace: the frontier table, the yardstick keys per policy
+    (the oracle included), the headroom lines and the frontier plot."""
+    trace = daily_trace(days=2)
+    out, png = tmp_path / "eval.json", tmp_path / "frontiers.png"
+    rc = evaluate.main(["--trace", str(trace), "--shards", "4", "--replicas", "1", "--json", str(out),
                         "--plot", str(png), "--quiet"])
     assert rc == 0
     res = json.loads(out.read_text())
-    assert set(res) == {"hpa", "static"}
-    for m in res.values():
+    assert set(res["frontiers"]) == {"hpa", "target", "predictive", "static"}
+    for rule, pts in res["frontiers"].items():
+        assert len(pts) >= 6 and all({"setting", "cost", "slo_violation_rate"} <= set(p) for p in pts)
+    assert len(res["oracle_frontier"]) == 7 and res["headroom"]
+    pol = res["policies"]
+    assert {"hpa", "target", "predictive", "static", "queue", "random", "oracle", "constant"} == set(pol)
+    for m in pol.values():
         assert set(METRIC_KEYS) <= set(m)
-        assert 0 <= m["slo_violation_rate"] <= 1 and 0 < m["utilisation"] <= 1
+        assert {"cost_saving_vs_best_rule", "violation_ratio_vs_best_rule", "oracle_gap_closed",
+                "refused_share"} <= set(m)
+    assert pol["oracle"]["oracle_gap_closed"] == pytest.approx(1.0)
+    assert pol["oracle"]["cost_saving_vs_best_rule"] > 0
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
     text = capsys.readouterr().out
-    assert "slo_violation_rate" in text and "hpa" in text and "static" in text
+    assert "saving vs best rule" in text and "frontiers (each rule swept" in text and "headroom at" in text
+    # The second run takes the frontiers from the cache.
+    assert evaluate.main(["--trace", str(trace), "--shards", "4", "--replicas", "1", "--policy", "hpa",
+                          "--json", str(out), "--quiet"]) == 0
+    again = json.loads(out.read_text())
+    assert again["cached"] is True and again["frontiers"] == res["frontiers"]
+    assert again["policies"]["hpa"]["cost"] == pol["hpa"]["cost"]
 
 
-def test_evaluate_replicas_give_per_copy_rates_and_a_paired_comparison(tmp_path, capsys):
+def test_evaluate_refuses_a_comparison_with_too_few_windows(tmp_path, capsys):
+    out = tmp_path / "eval.json"
+    rc = evaluate.main(["--policy", "hpa,static", "--ticks", "70", "--shards", "2", "--json", str(out), "--quiet"])
+    assert rc == 2
+    text = capsys.readouterr().out
+    assert "comparison refused: the range gives 16 settled class-windows" in text
+    assert "saving vs best rule" not in text
+    res = json.loads(out.read_text())
+    assert "at least 2,000 are needed" in res["refused"] and set(res["policies"]) == {"hpa", "static"}
+
+
+def test_evaluate_replicas_give_per_copy_rates(tmp_path, capsys):
     out = tmp_path / "eval.json"
     assert evaluate.main(["--policy", "hpa,static", "--ticks", "700", "--shards", "2", "--replicas", "3",
-                          "--json", str(out), "--quiet"]) == 0
-    res = json.loads(out.read_text())
+                          "--json", str(out), "--no-frontier", "--quiet"]) == 0
+    res = json.loads(out.read_text())["policies"]
     for m in res.values():
         per = m["slo_violation_rate_per_replica"]
         assert m["replicas"] == 3 and m["shards"] == 6 and len(per) == 3
         assert m["slo_violation_rate"] == pytest.approx(sum(per) / 3)
+        assert len(m["cost_per_segment"]) == 6 and m["cost_se"] >= 0
     text = capsys.readouterr().out
-    assert "3 copies with their own arrivals" in text and "vs hpa" in text
+    assert "3 copies with their own arrivals" in text
     with pytest.raises(SystemExit):
         evaluate.main(["--policy", "hpa", "--replicas", "0"])
+    with pytest.raises(SystemExit):
+        evaluate.main(["--policy", "oracle", "--platform", "v1"])  # the oracle exists on v2 only
 
 
 def test_evaluate_any_csv_and_clear_errors(tmp_path, capsys):
     p = tmp_path / "web_1min.csv"
     p.write_text("minute,hits,bytes\n" + "\n".join(f"{i},{100 + (i % 60)},{i}" for i in range(600)) + "\n")
     assert evaluate.main(["--policy", "target", "--trace", str(p), "--ticks", "20", "--shards", "2",
-                          "--quiet"]) == 0
+                          "--no-frontier", "--quiet"]) == 0
     bad = tmp_path / "bad.csv"
     bad.write_text("minute,hits\n0,1\n1,oops\n2,3\n")
     assert evaluate.main(["--policy", "hpa", "--trace", str(bad), "--quiet"]) == 2
@@ -58,18 +89,27 @@ def test_evaluate_any_csv_and_clear_errors(tmp_path, capsys):
         evaluate.main(["--policy", "magic"])
 
 
+def test_evaluate_platform_v1_still_runs_its_rules(tmp_path):
+    out = tmp_path / "v1.json"
+    assert evaluate.main(["--platform", "v1", "--policy", "hpa", "--ticks", "60", "--shards", "2",
+                          "--no-frontier", "--json", str(out), "--quiet"]) == 0
+    m = json.loads(out.read_text())["policies"]["hpa"]
+    assert m["warmup_ticks"] == 0 and "busy_cost" not in m  # v1's evaluation as it was
+
+
 @pytest.mark.skipif(not SHARED_TRACES.is_dir(), reason="../shared/traces not present")
 def test_evaluate_every_shared_trace(tmp_path):
     out = tmp_path / "all.json"
     assert evaluate.main(["--policy", "hpa", "--trace", "shared", "--ticks", "10", "--shards", "1",
-                          "--json", str(out), "--quiet"]) == 0
+                          "--no-frontier", "--json", str(out), "--quiet"]) == 0
     res = json.loads(out.read_text())
-    assert len(res) == 7 and all("hpa" in v for v in res.values())
+    assert len(res) == 7 and all("hpa" in v["policies"] for v in res.values())
 
 
 def test_evaluate_as_a_module_subprocess():
     r = subprocess.run([sys.executable, "-m", "launch.evaluate", "--policy", "random", "--ticks", "5",
-                        "--shards", "1", "--quiet"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+                        "--shards", "1", "--no-frontier", "--quiet"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
     assert r.returncode == 0, r.stderr
     assert "random" in r.stdout
 
@@ -87,5 +127,6 @@ def test_bench_sim_writes_the_interface_keys(tmp_path, monkeypatch):
 def test_bundled_trace_is_reproducible_from_shared(tmp_path):
     make_default_trace.main(["--src", str(SHARED_TRACES), "--out", str(tmp_path)])
     data = ROOT / "apex_bdq" / "data"
-    for name in ("azure_functions2019_4class_1min.csv", "azure_functions2019_4class_meta.csv"):
+    for name in ("azure_functions2019_4class_1min.csv", "azure_functions2019_4class_meta.csv",
+                 "nasa_http_1995_aug_1min.csv.gz"):
         assert (tmp_path / name).read_bytes() == (data / name).read_bytes()

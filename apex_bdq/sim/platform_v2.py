@@ -36,6 +36,7 @@ trainer, evaluation and preference code read); feature names are in `macro_names
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -69,8 +70,13 @@ def macro_names(cfg: SimConfig) -> tuple[str, ...]:
 def pool_caps(cfg: SimConfig, rates: TickRates) -> np.ndarray:
     """[K] replicas each pool may hold: pool_cap_factor x the class's peak offered load over
     the whole trace, plus the floor (no burst of the trace is unservable by construction)."""
-    peak = rates.rates.max(axis=0).astype(np.float64) * np.asarray(cfg.service_time_s)  # [K] Erlangs
+    peak = rates.peak * np.asarray(cfg.service_time_s)  # [K] Erlangs
     return np.ceil(cfg.pool_cap_factor * peak).astype(np.int64) + max(1, cfg.min_servers)
+
+
+@functools.lru_cache(maxsize=16)
+def _sizing_table(svc: tuple, slo: tuple, caps: tuple, min_servers: int) -> SizingTable:
+    return SizingTable.build(svc, slo, caps, min_servers, P99_Q)
 
 
 def default_action_v2(cfg: SimConfig) -> tuple[int, ...]:
@@ -143,10 +149,11 @@ class PlatformSimV2:
         self.inv_class_rate = (1.0 / self.class_rate).astype(f32)
         self.inv_mean_n = (1.0 / (self.class_rate * dt)).astype(f32)  # [K] per-tick arrivals -> O(1)
         self.inv_slo = (1.0 / self.slo).astype(f32)
-        self.lam_table = self.rates.rates.astype(f32)  # [T, K]
+        self.lam_table = self.rates.rates.astype(f32, copy=False)  # [T, K], shared by every simulator of the trace
         self.caps = pool_caps(cfg, self.rates)  # [K]
         self.pool_max = self.caps  # [K] (v1 has one int)
-        self.sizing = SizingTable.build(svc, self.slo.astype(np.float64), self.caps, cfg.min_servers, P99_Q)
+        self.sizing = _sizing_table(tuple(svc), tuple(self.slo.astype(np.float64)), tuple(self.caps.tolist()),
+                                    cfg.min_servers)
         self.erlang = ErlangCTable(int(self.caps.max()))
         self.onesK = np.ones(K, dtype=f32)
         self.plan = np.asarray(cfg.plan_factors, dtype=np.float64)  # [n]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import functools
 import gzip
 import math
 import re
@@ -187,6 +188,11 @@ class TickRates:
     val: tuple[int, int] = (0, 0)  # [start, end) validation range (between the two); empty = none
     time_of_week: Optional[np.ndarray] = None  # [T] float32 in [0, 1), Monday 00:00 = 0
     tick_s: float = 1.0
+
+    @functools.cached_property
+    def peak(self) -> np.ndarray:
+        """[K] highest rate of each class over the whole trace (computed once)."""
+        return self.rates.max(axis=0).astype(np.float64)
 
     @property
     def ticks_per_day(self) -> int:
