@@ -81,6 +81,7 @@ def evaluate_groups(policy, cfg: SimConfig, groups: int, shards: int = 8, ticks:
     S = sim.S
     reward_s = np.zeros(S)  # per shard: each shard is one segment of one copy of the range
     cost_s = np.zeros(S)
+    replica_s = np.zeros(S)  # ready + booting replicas: the cost in cloud billing terms on either platform
     busy_cost_s = np.zeros(S)
     offered_s = np.zeros(S)
     arrivals = np.zeros((S, K))
@@ -100,6 +101,7 @@ def evaluate_groups(policy, cfg: SimConfig, groups: int, shards: int = 8, ticks:
             continue
         reward_s += reward
         cost_s += info["cost"]
+        replica_s += info["servers"] + info["pending"]
         if "busy" in info:
             busy_cost_s += info["busy"]
         offered_s += info["offered_erlangs"]
@@ -122,7 +124,7 @@ def evaluate_groups(policy, cfg: SimConfig, groups: int, shards: int = 8, ticks:
         if progress is not None:
             progress(t + 1 - warm, ticks)
     out = [_group_metrics(g, G, R, K, ticks, warm, windows, split, sim.rates.describe(split), cfg.platform == "v2",
-                          sim.mean_load, reward_s, cost_s, busy_cost_s, offered_s, arrivals, drops, late, busy_s,
+                          sim.mean_load, reward_s, cost_s, replica_s, busy_cost_s, offered_s, arrivals, drops, late, busy_s,
                           capacity_s, p99_weighted, fairness_s, violated)
            for g in range(G)]
     return out, keep
@@ -132,8 +134,9 @@ def _se(x: np.ndarray) -> float:
     return float(x.std(ddof=1) / np.sqrt(len(x))) if len(x) > 1 else float("nan")
 
 
-def _group_metrics(g, G, R, K, ticks, warm, windows, split, described, v2, mean_load, reward_s, cost_s, busy_cost_s,
-                   offered_s, arrivals, drops, late, busy_s, capacity_s, p99_weighted, fairness_s, violated) -> dict:
+def _group_metrics(g, G, R, K, ticks, warm, windows, split, described, v2, mean_load, reward_s, cost_s, replica_s,
+                   busy_cost_s, offered_s, arrivals, drops, late, busy_s, capacity_s, p99_weighted, fairness_s,
+                   violated) -> dict:
     """The metrics of group g from the per-shard sums (shards of a group: R copies x segments)."""
     sl = slice(g * len(cost_s) // G, (g + 1) * len(cost_s) // G)
     seg = len(cost_s) // (G * R)  # segments per copy
@@ -151,6 +154,7 @@ def _group_metrics(g, G, R, K, ticks, warm, windows, split, described, v2, mean_
         "p99_ms": float((p99_weighted[sl].sum() / total) * 1e3),
         "utilisation": float(busy_s[sl].sum()) / max(float(capacity_s[sl].sum()), 1e-9),
         "cost": float(cost_s[sl].sum()) / n,
+        "replica_cost": float(replica_s[sl].sum()) / (n * mean_load),
         "drop_rate": float(drops[sl].sum()) / total,
         "refused_share": float(drops[sl].sum()) / total,
         "late_share": float(late[sl].sum()) / total,

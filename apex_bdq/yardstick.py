@@ -65,10 +65,21 @@ def sweep(rule: str, cfg: SimConfig, values, shards: int, replicas: int, seed: i
     """One frontier's raw points: rule `rule` at every value of its setting, side by side in
     one simulator (on v2 meeting the same arrivals). Each point is
     {setting, cost, slo_violation_rate, cost_se, slo_violation_rate_se, refused_share, slo_windows}."""
-    from apex_bdq.sim.baselines import make_baseline
-    name, _ = (ORACLE_SWEEP if rule == "oracle" else sweeps_for(cfg)[rule])
-    values = tuple(float(v) for v in values)
-    policy = make_baseline(rule, **{name: list(values)})
+    from apex_bdq.sim.baselines import Constant, default_action, make_baseline
+    if rule == "tiers":  # constant capacity tiers, the other branches at their defaults
+        values = tuple(int(v) for v in values)
+        rows = []
+        for tier in values:
+            a = list(default_action(cfg))
+            for d, b in enumerate(cfg.branch_names):
+                if b.startswith("capacity"):
+                    a[d] = tier
+            rows.append(a)
+        policy = Constant(rows)
+    else:
+        name, _ = (ORACLE_SWEEP if rule == "oracle" else sweeps_for(cfg)[rule])
+        values = tuple(float(v) for v in values)
+        policy = make_baseline(rule, **{name: list(values)})
     metrics, _ = evaluate_groups(policy, cfg, len(values), shards=shards, ticks=ticks, replicas=replicas,
                                  seed=seed, split=split, progress=progress)
     return [point(v, m) for v, m in zip(values, metrics)]
@@ -252,7 +263,8 @@ def _key(cfg: SimConfig, shards: int, replicas: int, seed: int, split: str, tick
 def frontiers(cfg: SimConfig, shards: int, replicas: int, seed: int = 12345, split: str = "eval",
               ticks: Optional[int] = None, use_cache: bool = True, log: Optional[Callable[[str], None]] = None,
               progress_for: Optional[Callable[[str], Callable[[int, int], None]]] = None) -> dict:
-    """{"frontiers": {rule: points}, "oracle": points (v2; [] on v1), "cached": bool} for the
+    """{"frontiers": {rule: points}, "oracle": points (v2; [] on v1), "tiers": points of the
+    constant capacity tiers (a diagnostic: where constant settings sit), "cached": bool} for the
     platform and trace of `cfg` on `split`, computed once per (platform, trace, layout, code)
     and kept under `cache_dir()` (APEX_BDQ_CACHE overrides it)."""
     path = cache_dir() / f"{_key(cfg, shards, replicas, seed, split, ticks)}.json"
@@ -263,12 +275,16 @@ def frontiers(cfg: SimConfig, shards: int, replicas: int, seed: int = 12345, spl
             return data
         except (OSError, ValueError):
             pass  # a torn or foreign file: recompute
-    out: dict = {"frontiers": {}, "oracle": []}
+    out: dict = {"frontiers": {}, "oracle": [], "tiers": []}
     for rule, (_, values) in sweeps_for(cfg).items():
         if log:
             log(f"sweeping {rule} over {len(values)} settings")
         out["frontiers"][rule] = sweep(rule, cfg, values, shards, replicas, seed, split,
                                        progress_for(rule) if progress_for else None, ticks)
+    if log:
+        log(f"sweeping the {cfg.sub_actions} constant capacity tiers")
+    out["tiers"] = sweep("tiers", cfg, range(cfg.sub_actions), shards, replicas, seed, split,
+                         progress_for("tiers") if progress_for else None, ticks)
     if cfg.platform == "v2":
         if log:
             log(f"sweeping the oracle over {len(ORACLE_SWEEP[1])} margins")

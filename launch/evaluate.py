@@ -176,7 +176,12 @@ def judge_all(cfg: SimConfig, metrics: dict[str, dict], shards: int, replicas: i
         m["yardstick"] = ys.judge(m, f["frontiers"], f["oracle"])
         m.update({k: m["yardstick"][k] for k in ("cost_saving_vs_best_rule", "violation_ratio_vs_best_rule",
                                                  "oracle_gap_closed")})
-    out = {"frontiers": f["frontiers"], "oracle_frontier": f["oracle"], "cached": f["cached"]}
+    out = {"frontiers": f["frontiers"], "oracle_frontier": f["oracle"], "tier_points": f.get("tiers", []),
+           "cached": f["cached"]}
+    floor = 0.5 / max(windows, 1)
+    for p in out["tier_points"]:  # where each constant capacity tier sits against the best rule
+        rule, c = ys.best_rule_cost(f["frontiers"], p["slo_violation_rate"], floor)
+        p["best_rule"], p["cost_saving_vs_best_rule"] = rule, (None if c is None else 1.0 - p["cost"] / c)
     if f["oracle"]:
         rates = HEADROOM_RATES
         if "hpa" in metrics:
@@ -322,6 +327,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                 compared += 1
                 entry.update(judged)
                 print_frontiers(judged["frontiers"], judged["oracle_frontier"])
+                tiers = judged.get("tier_points") or []
+                if tiers:
+                    print("constant capacity tiers (other branches at the default), against the best rule at the "
+                          "same violation rate: " + "   ".join(
+                              f"{p['setting']}: {p['cost']:.3f} / {p['slo_violation_rate']:.4f} "
+                              f"({_pct(None if p['cost_saving_vs_best_rule'] is None else -p['cost_saving_vs_best_rule'])})"
+                              for p in tiers))
                 for h in judged.get("headroom", []):
                     print(f"headroom at violation rate {h['slo_violation_rate']:.4f}: best rule "
                           f"{h['best_rule'] or '-'} costs {_num(h['best_rule_cost'])}, the oracle "

@@ -205,7 +205,7 @@ def test_two_node_cluster_places_components_by_node_type(tmp_path):
 
 def test_policy_selection_on_the_apex_path_keeps_the_selected_published_weights(ray_local, tmp_path):
     """`launch.train --set select_every_s=S` on Ray: the driver checks published weights on
-    the training range, the end-of-run check covers the final version, and the checkpoint
+    the validation range, the end-of-run check covers the final version, and the checkpoint
     (and the final evaluation) carry the selected version's weights: re-scoring the
     checkpoint's policy on the same yardstick gives the selected row's figures exactly."""
     import json
@@ -226,6 +226,6 @@ def test_policy_selection_on_the_apex_path_keeps_the_selected_published_weights(
     assert (sel["reward"], sel["slo_violation_rate"]) == (best["reward"], best["slo_violation_rate"])
     cfg = train.apply_overrides(train.PRESETS["smoke"], ["constraint_shards=8", "constraint_replicas=1",
                                                          "select_every_s=4"])
-    m, _ = PolicySelector(cfg).train_range(load_policy(ck, cfg.sim).net)
+    m, _ = PolicySelector(cfg).metrics(load_policy(ck, cfg.sim).net, sel["split"])  # the validation days
     assert m["reward"] == pytest.approx(sel["reward"], rel=1e-9)
     assert m["slo_violation_rate"] == pytest.approx(sel["slo_violation_rate"], rel=1e-9)

@@ -114,11 +114,11 @@ def test_config_overrides_parse_optional_and_tuple_fields_by_declared_type():
     # Optional[int] fields used to take the raw string (final_eval_ticks=600 -> "600", which
     # failed only at the end of a training run); tuples could not be set at all.
     cfg = apply_overrides(SMOKE, ["final_eval_ticks=600", "max_env_ticks=none", "pref.oracle_weights=10,1,0.5",
-                                  "sim.slo_factor=1,2,3,4"])
+                                  "sim.slo_factor=1.5,2,3,4"])
     assert cfg.final_eval_ticks == 600 and isinstance(cfg.final_eval_ticks, int)
     assert cfg.max_env_ticks is None
     assert cfg.pref.oracle_weights == (10.0, 1.0, 0.5)
-    assert cfg.sim.slo_factor == (1.0, 2.0, 3.0, 4.0)
+    assert cfg.sim.slo_factor == (1.5, 2.0, 3.0, 4.0)
     with pytest.raises(ConfigError, match="'final_eval_ticks': 'soon' is not a valid int"):
         apply_overrides(SMOKE, ["final_eval_ticks=soon"])
     with pytest.raises(ConfigError, match="2 comma-separated values, the field takes 3"):
