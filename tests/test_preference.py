@@ -237,7 +237,7 @@ def test_bad_feedback_is_refused_with_the_reason(tmp_path):
         actor.add_segments([make_segment(rng), nan])
     short = make_segment(rng)
     short.action = short.action[:, :2]
-    with pytest.raises(FeedbackError, match=r"action must be integers \[T=4, D=4\]"):
+    with pytest.raises(FeedbackError, match=rf"action must be integers \[T=4, D={NET.num_branches}\]"):
         actor.add_segments([short])
     assert len(actor.unranked) == 2  # a refused batch adds nothing
     assert actor.refused == 3 and actor.pairs == []

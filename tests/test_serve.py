@@ -21,7 +21,7 @@ import torch
 
 from apex_bdq.checkpoint import config_to_dict, save_checkpoint
 from apex_bdq.client import DecisionClient, ServiceError
-from apex_bdq.config import TrainConfig
+from apex_bdq.config import SimConfig, TrainConfig
 from apex_bdq.networks import BDQNetwork, NetConfig
 from apex_bdq.preference import PREFERENCE_METRICS, load_log
 
@@ -113,7 +113,7 @@ def test_decide_over_json_and_msgpack_matches_the_checkpoint(server):
         np.testing.assert_allclose(d.q, want_q, rtol=1e-5, atol=1e-5)
         np.testing.assert_array_equal(d.actions, want_q.argmax(-1))
         assert {"parse", "queue", "model", "replica"} <= set(d.server_timing)
-        assert d.branches == ["capacity", "priority", "admission", "scheduling"]
+        assert d.branches == list(SimConfig().branch_names)  # v2: capacity_k, hold_k per class, admission
     with DecisionClient(server["url"], use_msgpack=False) as c:  # one shard, JSON, no batch axis
         d1 = c.decide(macro[0], micro[0])
         np.testing.assert_allclose(d1.q[0], want_q[0], rtol=1e-5, atol=1e-5)
@@ -137,8 +137,8 @@ def test_bad_requests_get_a_4xx_naming_the_problem(server):
     cases = [
         (b'{"macro": [1, 2', "application/json", 400, "not valid JSON"),
         (json.dumps(good).replace("]]]]", "]]]], \"micro2\": NaN").encode(), "application/json", 400, "not valid JSON"),
-        (json.dumps({**good, "macro": [["1.5"] * 16] * 2}).encode(), "application/json", 422, "floats only"),
-        (json.dumps({**good, "macro": [[None] * 16] * 2}).encode(), "application/json", 422, "floats only"),
+        (json.dumps({**good, "macro": [["1.5"] * NET.macro_features] * 2}).encode(), "application/json", 422, "floats only"),
+        (json.dumps({**good, "macro": [[None] * NET.macro_features] * 2}).encode(), "application/json", 422, "floats only"),
         (msgpack.packb({"macro": {**packed, "shape": [1] * 70}, "micro": good["micro"]}, use_bin_type=True),
          "application/msgpack", 422, "at most 8 sizes"),
         (msgpack.packb({"macro": {**packed, "shape": [float("inf")]}, "micro": good["micro"]}, use_bin_type=True),
@@ -147,15 +147,15 @@ def test_bad_requests_get_a_4xx_naming_the_problem(server):
         (b"{}", "text/plain", 415, "not supported"),
         (json.dumps({**good, "priority": 1}).encode(), "application/json", 422, "unknown field(s) ['priority']"),
         (json.dumps({"micro": good["micro"]}).encode(), "application/json", 422, "'macro' is missing"),
-        (json.dumps({**good, "macro": macro[:, :10].tolist()}).encode(), "application/json", 422, "macro must be [B, 16]"),
+        (json.dumps({**good, "macro": macro[:, :10].tolist()}).encode(), "application/json", 422, f"macro must be [B, {NET.macro_features}]"),
         (json.dumps({**good, "micro": micro[:, :3].tolist()}).encode(), "application/json", 422, "micro must be"),
-        (json.dumps({**good, "macro": [[1.0] * 16, [1.0] * 3]}).encode(), "application/json", 422, "rectangular"),
+        (json.dumps({**good, "macro": [[1.0] * NET.macro_features, [1.0] * 3]}).encode(), "application/json", 422, "rectangular"),
         (json.dumps({**good, "macro": macro[:1].tolist()}).encode(), "application/json", 422, "macro has 1 shards"),
         (json.dumps({**good, "include_q": "yes"}).encode(), "application/json", 422, "include_q"),
         (msgpack.packb({"macro": nan_macro.tolist(), "micro": micro.tolist()}), "application/msgpack", 422,
          "macro holds NaN or inf (first at index [1, 3])"),
         (msgpack.packb({"macro": packed, "micro": good["micro"]}, use_bin_type=True), "application/msgpack", 422,
-         "packed data has 124 bytes"),
+         f"packed data has {2 * NET.macro_features * 4 - 4} bytes"),
         (b"[1, 2]", "application/json", 422, "must be an object"),
     ]
     for body, ct, status, needle in cases:
