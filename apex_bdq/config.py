@@ -52,10 +52,12 @@ class TraceConfig:
     smooth_s: Optional[float] = None
     """Centred moving average over this many seconds of the trace's rows before it is
     scaled (0 = none). A small site's per-minute counts carry the noise of its few users
-    (NASA-HTTP: +-30 % minute to minute at 0.6 requests/s); scaled to a platform's rate that
-    noise would be ~15x what the scaled rate's own Poisson noise is, so the rate is taken
-    from the trace's slower structure and the simulator draws Poisson arrivals at the scaled
-    rate. None: 300 s for the bundled v2 trace, 0 for any other file."""
+    (NASA-HTTP's training days: 29-38 % standard deviation minute to minute around the local
+    mean, 3-5x Poisson, at 0.59 requests/s); scaled to a platform's rate (class 0: ~200
+    requests/s, whose own Poisson noise is ~1 % per minute) that noise would be ~30x too
+    large, so the rate is taken from the trace's slower structure and the simulator draws
+    Poisson arrivals at the scaled rate. None: 300 s for the bundled NASA trace (the v2 default, on either platform), 0 for
+    any other file."""
 
     def __post_init__(self) -> None:
         _check(0.0 < self.eval_fraction < 1.0,

@@ -9,7 +9,7 @@
                                                                      (see launch/bench_preference_fit.py)
     python -m launch.bench serve [--json PATH] [--requests 1000]      (see launch/bench_serve.py)
 
-`sim`: shard-steps per second of the vectorised PlatformSim at S = 1, 64, 1024 on one core,
+`sim`: shard-steps per second of the vectorised simulator (the default platform, v2) at S = 1, 64, 1024 on one core,
 side by side with a plain per-shard loop of the same dynamics (S single-shard simulators
 stepped one after the other), both returning fresh observation arrays; then S = 1024 once
 more with observations returned as views (the zero-copy path a trainer uses). Each figure is the median of `--repeats` timed runs of about
@@ -111,10 +111,23 @@ def bench_sim(repeats: int, seconds: float) -> dict:
 
     zc = [1024 * _time_steps(view_step, acts, seconds) for _ in range(repeats)]
     result["vectorised_zero_copy_steps_per_s"] = statistics.median(zc)
+    # Platform v1 at S = 1024 beside it (its shared pool has no sizing, holds or history).
+    v1 = make_sim(SimConfig(platform="v1", num_shards=1024))
+    acts1 = _policy_actions(rng, 1024, v1.D, v1.n, 64)
+
+    def v1_step(a, sim=v1):
+        _, _, trunc, _ = sim.step(a)
+        if trunc:
+            sim.reset()
+
+    result["v1_vectorised_steps_per_s"] = statistics.median([1024 * _time_steps(v1_step, acts1, seconds)
+                                                             for _ in range(repeats)])
+    result["platform"] = base.platform
     result["vectorised_steps_per_s"] = result["vectorised"][1024]
     result["loop_steps_per_s"] = result["loop"][1024]
     result["ratio"] = result["vectorised_steps_per_s"] / result["loop_steps_per_s"]
-    print(f"PlatformSim shard-steps/s on one core ({pinned}), median of {repeats} runs, random actions")
+    print(f"platform {base.platform} simulator shard-steps/s on one core ({pinned}), median of {repeats} runs, "
+          f"random actions")
     print(f"{'S':>6} {'vectorised':>14} {'(min..max)':>24} {'per-shard loop':>16} {'ratio':>8}")
     for S, v, lo, hi, loop in rows:
         ls = f"{loop:,.0f}" if loop else "-"
@@ -122,6 +135,7 @@ def bench_sim(repeats: int, seconds: float) -> dict:
         print(f"{S:>6} {v:>14,.0f} {f'({lo:,.0f}..{hi:,.0f})':>24} {ls:>16} {rs:>8}")
     print(f"{'1024*':>6} {result['vectorised_zero_copy_steps_per_s']:>14,.0f} {f'({min(zc):,.0f}..{max(zc):,.0f})':>24}"
           f"  (* observations as views, no copy)")
+    print(f"{'1024':>6} {result['v1_vectorised_steps_per_s']:>14,.0f}  platform v1 (one shared pool), for reference")
     return result
 
 
@@ -483,8 +497,9 @@ PREFERENCE_VARIANTS = {
 def _overload_reference(net, cfg, decisions: int, seed: int) -> dict:
     """How much overload is left to take away by steering exploration: on the training-range
     simulator of the runs (its own arrival seed), the run's final greedy policy with no
-    exploration at all, and the most cautious constant action (top capacity tier, fastest
-    servers, middle priority and admission levels) with its reward."""
+    exploration at all, and the most cautious constant action (top capacity tier; v2: the
+    longest hold, admit all; v1: fastest servers, middle priority and admission levels)
+    with its reward."""
     from actors.rollout import RolloutWorker
     from apex_bdq.sim import make_sim
     S, n = cfg.sim.num_shards, cfg.sim.sub_actions
@@ -494,8 +509,12 @@ def _overload_reference(net, cfg, decisions: int, seed: int) -> dict:
     sim = make_sim(cfg.sim.replace(seed=seed + 1000))
     sim.reset(seed=seed + 1000)
     a = np.full((S, cfg.sim.num_branches), n // 2)
-    a[:, :cfg.sim.num_pools] = n - 1  # capacity branch(es)
-    a[:, -1] = n - 1  # speed
+    a[:, :cfg.sim.num_pools] = n - 1  # capacity branch(es): the top tier
+    if cfg.sim.platform == "v2":
+        a[:, cfg.sim.num_pools:-1] = int(np.argmax(cfg.sim.hold_s))  # the longest scale-down hold
+        a[:, -1] = 0  # admit everything
+    else:
+        a[:, -1] = n - 1  # speed
     over, reward = 0, 0.0
     for _ in range(decisions * cfg.agent.decision_ticks):
         _, r, truncated, info = sim.step(a)

@@ -251,6 +251,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--platform", choices=("v2", "v1"), help="the platform (default: v2, or the checkpoints' own)")
     ap.add_argument("--columns", nargs="+", help="rate columns of the trace (default: first one)")
     ap.add_argument("--interval-s", type=float, help="seconds per trace row (default: from the file)")
+    ap.add_argument("--smooth-s", type=float,
+                    help="centred moving average over the trace's rows before scaling (default: 300 s for the "
+                         "bundled NASA trace, 0 for other files; see TraceConfig.smooth_s)")
     ap.add_argument("--shards", type=int, help="segments of the range per copy (default: 64 on v2, 8 on v1)")
     ap.add_argument("--ticks", type=int, help="ticks per segment (default: cover the held-out range)")
     ap.add_argument("--replicas", type=int,
@@ -304,7 +307,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         label = path.name if path else f"bundled trace ({platform.platform})"
         try:
             cfg = platform.replace(trace=TraceConfig(path=str(path) if path else None, columns=cols,
-                                                     interval_s=a.interval_s))
+                                                     interval_s=a.interval_s, smooth_s=a.smooth_s))
             results = run_trace(cfg, names, shards, a.ticks, show, replicas)
             metrics = {n: r.metrics for n, r in results.items()}
             judged = None if a.no_frontier else judge_all(cfg, metrics, shards, replicas, a.ticks,
@@ -316,7 +319,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         copies = f", {replicas} copies with their own arrivals" if replicas > 1 else ""
         title = (f"\n{label}: {first['range']}; {shards} segments x {first['ticks']:,} ticks{copies}; "
                  f"{first['slo_windows']:,} settled class-windows per policy")
-        entry: dict = {"policies": metrics, "range": first["range"], "slo_windows": first["slo_windows"]}
+        entry: dict = {"policies": metrics, "range": first["range"], "slo_windows": first["slo_windows"],
+                       "floor_cost": first.get("offered_cost")}
         if judged is not None and "refused" in judged:
             print(title)
             print(f"comparison refused: {judged['refused']}")
@@ -329,15 +333,16 @@ def main(argv: Optional[list[str]] = None) -> int:
                 print_frontiers(judged["frontiers"], judged["oracle_frontier"])
                 tiers = judged.get("tier_points") or []
                 if tiers:
-                    print("constant capacity tiers (other branches at the default), against the best rule at the "
-                          "same violation rate: " + "   ".join(
+                    print("constant capacity tiers (other branches at the default): cost / violation rate (saving "
+                          "vs the best rule at that rate): " + "   ".join(
                               f"{p['setting']}: {p['cost']:.3f} / {p['slo_violation_rate']:.4f} "
-                              f"({_pct(None if p['cost_saving_vs_best_rule'] is None else -p['cost_saving_vs_best_rule'])})"
-                              for p in tiers))
+                              f"({_pct(p['cost_saving_vs_best_rule'])})" for p in tiers))
+                if "offered_cost" in first:
+                    print(f"floor (only the offered work billed, every replica busy): {first['offered_cost']:.3f}")
                 for h in judged.get("headroom", []):
-                    print(f"headroom at violation rate {h['slo_violation_rate']:.4f}: best rule "
-                          f"{h['best_rule'] or '-'} costs {_num(h['best_rule_cost'])}, the oracle "
-                          f"{_num(h['oracle_cost'])}: {_pct(None if h['oracle_saving'] is None else -h['oracle_saving'])}")
+                    print(f"headroom at violation rate {h['slo_violation_rate']:.4f}: the best rule "
+                          f"({h['best_rule'] or '-'}) costs {_num(h['best_rule_cost'])}, the oracle "
+                          f"{_num(h['oracle_cost'])}: oracle saving {_pct(h['oracle_saving'])}")
             else:
                 compared += 1
         all_results[label] = entry

@@ -31,7 +31,7 @@ import numpy as np
 
 from apex_bdq.config import SimConfig
 from apex_bdq.sim.queueing import ErlangCTable
-from apex_bdq.sim.trace import TickRates, bundled_trace, load_trace, make_tick_rates, smooth_trace
+from apex_bdq.sim.trace import TickRates, bundled_trace, default_smooth_s, load_trace, make_tick_rates, smooth_trace
 
 # Feature layout of the observations (names are part of the interface, for plots and tests).
 MACRO_MONITORED = ("load", "utilisation", "window_utilisation", "window_cost", "window_slo_violation",
@@ -64,7 +64,7 @@ def make_rates(cfg: SimConfig) -> TickRates:
     """The trace of `cfg` (the platform's bundled one by default), resampled and normalised
     (cached per process and file version)."""
     t = cfg.trace
-    default_path, default_columns, bundled_smooth = bundled_trace(cfg.platform)
+    default_path, default_columns = bundled_trace(cfg.platform)
     path = str(t.path or default_path)
     columns = t.columns if t.columns is not None else (default_columns if t.path is None else None)
     try:
@@ -72,7 +72,7 @@ def make_rates(cfg: SimConfig) -> TickRates:
         stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
     except OSError:
         stamp = None  # load_trace reports the missing file
-    smooth = t.smooth_s if t.smooth_s is not None else (bundled_smooth if t.path is None else 0.0)
+    smooth = t.smooth_s if t.smooth_s is not None else default_smooth_s(path)
     return _cached_rates((path, stamp, columns, t.interval_s, smooth, cfg.tick_s, cfg.num_classes,
                           cfg.service_time_s, cfg.shares, cfg.mean_load_erlangs, t.eval_fraction,
                           t.validation_fraction))

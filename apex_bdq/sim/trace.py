@@ -33,11 +33,21 @@ BUNDLED_COLUMNS_V2 = ("requests",)
 BUNDLED_SMOOTH_S_V2 = 300.0  # trace.smooth_s of the bundled v2 trace (see TraceConfig.smooth_s)
 
 
-def bundled_trace(platform: str) -> tuple[Path, tuple[str, ...], float]:
-    """The default trace file, its rate columns and its smoothing for a platform ("v1" or "v2")."""
+def bundled_trace(platform: str) -> tuple[Path, tuple[str, ...]]:
+    """The default trace file and its rate columns for a platform ("v1" or "v2")."""
     if platform == "v2":
-        return BUNDLED_TRACE_V2, BUNDLED_COLUMNS_V2, BUNDLED_SMOOTH_S_V2
-    return BUNDLED_TRACE, BUNDLED_COLUMNS, 0.0
+        return BUNDLED_TRACE_V2, BUNDLED_COLUMNS_V2
+    return BUNDLED_TRACE, BUNDLED_COLUMNS
+
+
+def default_smooth_s(path: str | Path) -> float:
+    """TraceConfig.smooth_s when it is None: 300 s for the bundled NASA trace (on either
+    platform), 0 for any other file."""
+    try:
+        same = Path(path).resolve() == BUNDLED_TRACE_V2.resolve()
+    except OSError:
+        same = False
+    return BUNDLED_SMOOTH_S_V2 if same else 0.0
 
 # Time columns understood, with seconds per unit. `date` (YYYY-MM-DD) adds whole days.
 TIME_COLUMNS = {"second": 1.0, "seconds": 1.0, "timestamp": 1.0, "time_s": 1.0,
