@@ -44,6 +44,14 @@ PRESETS = {
                                                  head_hidden=64),
                            agent=AgentConfig(lr=3e-4, decision_ticks=30, updates_per_decision=2.0, huber_delta=4.0,
                                              slo_penalty=220.0)),
+    # Platform v1's default preset as it was until 2026-12-02 (its figures in the README).
+    "v1": TrainConfig(sim=SimConfig(platform="v1", num_shards=64, seed=1, headroom_min=1.8, headroom_max=2.4,
+                                    trace=TraceConfig(validation_fraction=0.0)),
+                      net=NetConfig.for_sim(SimConfig(platform="v1"), macro_hidden=64, micro_channels=16, z_dim=128,
+                                            head_hidden=64),
+                      agent=AgentConfig(lr=3e-4, decision_ticks=30, updates_per_decision=2.0, huber_delta=4.0,
+                                        slo_penalty=220.0),
+                      eval_shards=8, final_eval_replicas=64, constraint_ticks=None),
     # For tests: seconds, not minutes.
     "smoke": TrainConfig(
         sim=SimConfig(num_shards=8, seed=1),
