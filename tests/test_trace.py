@@ -118,7 +118,6 @@ def test_missing_file_unknown_column_and_unknown_interval(tmp_path):
 
 
 def test_sim_config_with_a_bad_trace_fails_when_built(tmp_path):
-    from apex_bdq.sim.platform import PlatformSim
     p = tmp_path / "bad.csv"
     p.write_text("minute,req\n0,1\n1,x\n")
     with pytest.raises(TraceError, match="bad.csv"):

@@ -14,7 +14,6 @@ the queueing model (`apex_bdq.sizing`) and exist on v2 only.
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from typing import Optional, Protocol
 

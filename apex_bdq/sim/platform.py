@@ -30,6 +30,7 @@ from typing import Optional
 import numpy as np
 
 from apex_bdq.config import SimConfig
+from apex_bdq.sim.provisioning import P99_Q, ActionError, PoolsView, Provisioning, check_layout, serve_tick  # noqa: F401
 from apex_bdq.sim.queueing import ErlangCTable
 from apex_bdq.sim.trace import TickRates, bundled_trace, default_smooth_s, load_trace, make_tick_rates, smooth_trace
 
@@ -40,11 +41,6 @@ MACRO_CONTROL = ("tod_sin", "tod_cos", "active", "pending", "target", "priority_
                  "admission_level", "speed_level", "window_phase")
 MACRO_FEATURES = MACRO_MONITORED + MACRO_CONTROL
 MICRO_FEATURES = ("arrivals", "backlog", "p99_over_slo", "drops", "servers", "slo_budget_burn")
-P99_Q = 0.01  # tail mass of the p99
-
-
-class ActionError(ValueError):
-    """An action array has the wrong shape, type or range."""
 
 
 @dataclass(frozen=True)
@@ -78,7 +74,7 @@ def make_rates(cfg: SimConfig) -> TickRates:
                           t.validation_fraction))
 
 
-class PlatformSim:
+class PlatformSim(PoolsView):
     """Vectorised simulator; see the module docstring for the dynamics.
 
     split: "train" (the training range), "val" (the validation range, when
@@ -102,17 +98,7 @@ class PlatformSim:
         if cfg.platform != "v1":
             raise ValueError(f"PlatformSim is platform v1 (sim.platform={cfg.platform!r}): build the simulator "
                              f"with apex_bdq.sim.make_sim(cfg)")
-        if split not in ("train", "val", "eval"):
-            raise ValueError(f"split must be 'train', 'val' or 'eval', got {split!r}")
-        phases = phases if phases is not None else ("random" if split == "train" else "even")
-        if phases not in ("random", "even"):
-            raise ValueError(f"phases must be 'random' or 'even', got {phases!r}")
-        if phases == "random" and eval_replicas != 1:
-            raise ValueError(f"eval_replicas={eval_replicas!r} needs evenly spaced phases (phases='even')")
-        self.phases = phases
-        if not (isinstance(eval_replicas, int) and eval_replicas >= 1 and cfg.num_shards % eval_replicas == 0):
-            raise ValueError(f"eval_replicas must be an int >= 1 dividing num_shards={cfg.num_shards}, "
-                             f"got {eval_replicas!r}")
+        self.phases = check_layout(cfg, split, phases, eval_replicas)
         self.eval_replicas = eval_replicas
         self.cfg = cfg
         self.split = split
@@ -191,15 +177,7 @@ class PlatformSim:
         else:
             init = np.ceil(load / self.cfg.initial_utilisation)
         self.target = np.clip(init, self.cfg.min_servers, self.pool_max).astype(np.int32)  # [S, P]
-        self.active = self.target.copy()  # [S, P]
-        # Provisioning pipeline as cumulative launch counts: slot t % L holds the servers
-        # launched up to tick t, read back d ticks later. Cancelling the newest pending
-        # servers first is then a cap of the whole ring at the new launch total.
-        self.launched = np.zeros((S, P), dtype=np.int32)
-        self.activated = np.zeros((S, P), dtype=np.int32)
-        self.launch_ring = np.zeros((self.L, S, P), dtype=np.int32)
-        self.pending = np.zeros((S, P), dtype=np.int32)
-        self.ring_ptr = 0
+        self.prov = Provisioning(self.target.copy(), self.cfg.delay_ticks, self.cfg.min_servers)
         self.level = np.empty((S, 3), dtype=np.int64)  # priority, admission, speed levels
         self.level[:] = (self.n // 2, 0, self.n - 1)
         self.load_est = (load + 1e-6).astype(f32)  # [S, K]
@@ -238,23 +216,6 @@ class PlatformSim:
         return self._observe()
 
     # ---------------------------------------------------------------------------------
-    def check_actions(self, actions) -> np.ndarray:
-        a = np.asarray(actions)
-        if a.shape != (self.S, self.D):
-            raise ActionError(f"actions must have shape [S={self.S}, D={self.D}] "
-                              f"(branches {self.cfg.branch_names}), got {a.shape}")
-        if a.dtype.kind not in "iu":
-            if a.dtype.kind != "f" or not np.all(np.isfinite(a)) or not np.all(a == np.round(a)):
-                raise ActionError(f"actions must be integers in [0, {self.n - 1}], got dtype {a.dtype} "
-                                  f"with values like {a.reshape(-1)[:4].tolist()}")
-            a = a.astype(np.int64)
-        if (a.view(np.uint64 if a.itemsize == 8 else f"u{a.itemsize}") >= self.n).any():  # < 0 wraps high
-            bad = np.argwhere((a < 0) | (a >= self.n))[0]
-            raise ActionError(f"action out of range: shard {bad[0]} branch "
-                              f"{self.cfg.branch_names[bad[1]]!r} = {a[bad[0], bad[1]]}, "
-                              f"valid choices are 0..{self.n - 1}")
-        return a
-
     def _split_capacity(self) -> np.ndarray:
         """Integer servers per class [S, K] (float32)."""
         if self.P > 1:
@@ -294,11 +255,7 @@ class PlatformSim:
         cfg, S, K, P, dt = self.cfg, self.S, self.K, self.P, self.dt
 
         # 1. provisioning: servers launched `delay` ticks ago become active.
-        delayed = cfg.delay_ticks > 0
-        if delayed:
-            due = np.maximum(self.launch_ring[self.ring_ptr] - self.activated, 0)
-            self.activated += due
-            self.active += due
+        self.prov.activate()
 
         # 2. decode the action; reconcile provisioned capacity with the target.
         if capacity_target is not None:
@@ -319,54 +276,23 @@ class PlatformSim:
         if P == 1:
             self.level[:, 0] = a[:, 1]
         self.level[:, 1:] = a[:, -2:]
-        pending = self.launched - self.activated
-        gap = self.target - (self.active + pending)  # [S, P]
-        shrink = np.maximum(-gap, 0)
-        if delayed:
-            cancel = np.minimum(shrink, pending)  # newest pending first
-            self.launched += np.maximum(gap, 0) - cancel
-            if cancel.any():
-                np.minimum(self.launch_ring, self.launched, out=self.launch_ring)
-            self.launch_ring[self.ring_ptr] = self.launched
-            self.ring_ptr = (self.ring_ptr + 1) % self.L
-            self.pending = self.launched - self.activated
-            shrink -= cancel
-        else:
-            self.active += np.maximum(gap, 0)
-        # Removal beyond the pending servers takes active ones, down to the floor.
-        self.active = np.maximum(self.active - shrink, np.minimum(self.active, cfg.min_servers))
+        self.prov.reconcile(self.target)
 
         # 3. split servers between classes; service rate at the chosen speed.
         self.servers_k = c = self._split_capacity()  # [S, K] float32 integers
         lvl_speed = self.level[:, 2]
         spd = self.speeds[lvl_speed]  # [S]
         mus = self.mu * spd[:, None]  # [S, K] per-server rate
-        rate = c * mus  # [S, K] requests per second
-        rate_pos = np.maximum(rate, 1e-9)  # a class with no servers: limits and drain times still defined
 
         # 4. arrivals from the trace, each shard at its own phase.
         lam = self.lam_table[self._trace_index()]  # [S, K] per second
         mean_n = lam * dt if dt != 1.0 else lam
         arrivals = self.rng.poisson(mean_n).astype(np.float32) if cfg.trace.poisson_noise else mean_n.copy()
 
-        # 5. queues: fluid backlog beyond what capacity serves; admission drops its excess.
-        avail = self.backlog + arrivals
-        served = np.minimum(avail, rate * dt)
-        q = avail - served
-        drops = np.maximum(q - rate_pos * self.adm_slo[self.level[:, 1]], 0.0)
-        self.backlog = backlog = q - drops
-
-        # 6. latency: service + Erlang-C p99 wait at the true rate + backlog drain time.
-        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-            inv_rate = 1.0 / rate_pos
-            pw = self.erlang(c, lam * inv_rate)  # [S, K] P(wait)
-            theta = rate - lam
-            w99 = np.maximum(np.log(pw * (1.0 / P99_Q)) / np.maximum(theta, 1e-9), 0.0)
-            drain = backlog * inv_rate
-            svc = 1.0 / mus
-            p99 = np.minimum(svc + w99 + drain, self.lat_cap)
-            budget = self.slo - svc - drain
-            late = np.where(budget > 0, np.minimum(pw * np.exp(-theta * budget), 1.0), 1.0)
+        # 5-6. queues (fluid backlog, admission refusals) and latency (service + Erlang-C p99
+        # wait at the true rate + backlog drain time).
+        served, drops, backlog, p99, late, theta, inv_rate = serve_tick(
+            self, c, mus, lam, arrivals, self.adm_slo[self.level[:, 1]])
 
         # 7. accounting, normalised by the mean load so rewards are O(1) at any scale.
         # Requests in service per class follow dN/dt = admitted rate - mu s N (an EWMA at

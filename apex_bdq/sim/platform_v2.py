@@ -43,7 +43,8 @@ from typing import Optional
 import numpy as np
 
 from apex_bdq.config import SimConfig
-from apex_bdq.sim.platform import P99_Q, ActionError, Observation, make_rates
+from apex_bdq.sim.platform import Observation, make_rates
+from apex_bdq.sim.provisioning import P99_Q, ActionError, PoolsView, Provisioning, check_layout, serve_tick
 from apex_bdq.sim.queueing import ErlangCTable
 from apex_bdq.sim.trace import TickRates
 from apex_bdq.sizing import SizingTable, replicas_for
@@ -86,7 +87,7 @@ def default_action_v2(cfg: SimConfig) -> tuple[int, ...]:
     return tuple([n // 2] * K + [int(np.argmax(cfg.hold_s))] * K + [0])
 
 
-class PlatformSimV2:
+class PlatformSimV2(PoolsView):
     """Vectorised platform v2; see the module docstring for the dynamics.
 
     split, phases, eval_replicas, copy_obs: as PlatformSim (v1). With phases="random" an
@@ -103,16 +104,7 @@ class PlatformSimV2:
                  phases: Optional[str] = None, warmup_ticks: int = 0, arrival_groups: int = 1) -> None:
         if cfg.platform != "v2":
             raise ValueError(f"PlatformSimV2 needs sim.platform='v2', got {cfg.platform!r}")
-        if split not in ("train", "val", "eval"):
-            raise ValueError(f"split must be 'train', 'val' or 'eval', got {split!r}")
-        phases = phases if phases is not None else ("random" if split == "train" else "even")
-        if phases not in ("random", "even"):
-            raise ValueError(f"phases must be 'random' or 'even', got {phases!r}")
-        if phases == "random" and eval_replicas != 1:
-            raise ValueError(f"eval_replicas={eval_replicas!r} needs evenly spaced phases (phases='even')")
-        if not (isinstance(eval_replicas, int) and eval_replicas >= 1 and cfg.num_shards % eval_replicas == 0):
-            raise ValueError(f"eval_replicas must be an int >= 1 dividing num_shards={cfg.num_shards}, "
-                             f"got {eval_replicas!r}")
+        phases = check_layout(cfg, split, phases, eval_replicas)
         if not (isinstance(warmup_ticks, int) and warmup_ticks >= 0):
             raise ValueError(f"warmup_ticks must be an int >= 0, got {warmup_ticks!r}")
         if not (isinstance(arrival_groups, int) and arrival_groups >= 1 and cfg.num_shards % arrival_groups == 0):
@@ -194,12 +186,7 @@ class PlatformSimV2:
         lam = self.lam_table[self.offset].astype(f32)  # [S, K] requests per second
         d = default_action_v2(cfg)
         self.target = replicas_for(lam * self.plan[d[0]], self.sizing).astype(np.int32)  # [S, K]
-        self.active = self.target.copy()
-        self.launched = np.zeros((S, K), dtype=np.int32)
-        self.activated = np.zeros((S, K), dtype=np.int32)
-        self.launch_ring = np.zeros((self.L, S, K), dtype=np.int32)
-        self.pending = np.zeros((S, K), dtype=np.int32)
-        self.ring_ptr = 0
+        self.prov = Provisioning(self.target.copy(), cfg.delay_ticks, cfg.min_servers)
         self.level = np.empty((S, self.D), dtype=np.int64)  # the sub-actions in force
         self.level[:] = d
         # Hold: maxima of the plans per 15-s block; `suffix[j]` = max of the newest j closed blocks.
@@ -244,23 +231,6 @@ class PlatformSimV2:
         self.suffix = suf
 
     # ---------------------------------------------------------------------------------
-    def check_actions(self, actions) -> np.ndarray:
-        a = np.asarray(actions)
-        if a.shape != (self.S, self.D):
-            raise ActionError(f"actions must have shape [S={self.S}, D={self.D}] "
-                              f"(branches {self.cfg.branch_names}), got {a.shape}")
-        if a.dtype.kind not in "iu":
-            if a.dtype.kind != "f" or not np.all(np.isfinite(a)) or not np.all(a == np.round(a)):
-                raise ActionError(f"actions must be integers in [0, {self.n - 1}], got dtype {a.dtype} "
-                                  f"with values like {a.reshape(-1)[:4].tolist()}")
-            a = a.astype(np.int64)
-        bad = (a < 0) | (a >= self.n)
-        if bad.any():
-            s, d = np.argwhere(bad)[0]
-            raise ActionError(f"action out of range: shard {s} branch {self.cfg.branch_names[d]!r} = {a[s, d]}, "
-                              f"valid choices are 0..{self.n - 1}")
-        return a
-
     def trace_index(self) -> np.ndarray:
         """[S] trace tick of each shard now."""
         if self.phases == "random":
@@ -280,11 +250,7 @@ class PlatformSimV2:
         cfg, S, K, dt = self.cfg, self.S, self.K, self.dt
 
         # 1. provisioning: replicas launched `delay` ticks ago become ready.
-        delayed = cfg.delay_ticks > 0
-        if delayed:
-            due = np.maximum(self.launch_ring[self.ring_ptr] - self.activated, 0)
-            self.activated += due
-            self.active += due
+        self.prov.activate()
 
         # 2. targets per class.
         self.level[:] = a
@@ -308,21 +274,7 @@ class PlatformSimV2:
             self._hold_suffix()
             self.hold_open = np.zeros_like(self.hold_open)
         self.target = np.clip(want, cfg.min_servers, self.caps).astype(np.int32)
-        pending = self.launched - self.activated
-        gap = self.target - (self.active + pending)
-        shrink = np.maximum(-gap, 0)
-        if delayed:
-            cancel = np.minimum(shrink, pending)  # newest booting replicas first
-            self.launched += np.maximum(gap, 0) - cancel
-            if cancel.any():
-                np.minimum(self.launch_ring, self.launched, out=self.launch_ring)
-            self.launch_ring[self.ring_ptr] = self.launched
-            self.ring_ptr = (self.ring_ptr + 1) % self.L
-            self.pending = self.launched - self.activated
-            shrink -= cancel
-        else:
-            self.active += np.maximum(gap, 0)
-        self.active = np.maximum(self.active - shrink, np.minimum(self.active, cfg.min_servers))
+        self.prov.reconcile(self.target)
 
         # 3. arrivals.
         lam = self.lam_table[self.trace_index()]  # [S, K] per second
@@ -449,8 +401,7 @@ class PlatformSimV2:
         cls[..., 1] = self.mon_util[lagged]
         cls[..., 2] = self.active * inv_load
         cls[..., 3] = self.pending * inv_load
-        soon = self.launch_ring[(self.ring_ptr + self.soon - 1) % self.L] - self.activated  # ready within L/2
-        cls[..., 4] = np.clip(soon, 0, None) * inv_load
+        cls[..., 4] = self.prov.ready_within(self.soon) * inv_load  # booting, ready within half the delay
         cls[..., 5] = self.target * inv_load
         cls[..., 6] = self.level[:, :K] * (1.0 / (n - 1))
         cls[..., 7] = self.level[:, K:2 * K] * (1.0 / (n - 1))
@@ -473,28 +424,3 @@ class PlatformSimV2:
         lagged = (self.mon_ptr - self.lag) % (self.lag + 1)
         load = self.mon_load[lagged]
         return {"load": load, "rate": load * self.mu, "utilisation": self.mon_util[lagged]}
-
-
-def serve_tick(sim, c: np.ndarray, mu: np.ndarray, lam: np.ndarray, arrivals: np.ndarray, adm_slo: np.ndarray):
-    """One tick of the per-class M/M/c queues: c [S, K] replicas at rate mu [K] (or [S, K]),
-    true rate lam, `arrivals` this tick, admission limit `adm_slo` [S, K] seconds of backlog.
-    Sets sim.backlog; returns (served, refused, backlog, p99, late share, theta, 1/rate)."""
-    dt = sim.dt
-    rate = c * mu  # [S, K] requests per second
-    rate_pos = np.maximum(rate, 1e-9)
-    avail = sim.backlog + arrivals
-    served = np.minimum(avail, rate * dt)
-    q = avail - served
-    drops = np.maximum(q - rate_pos * adm_slo, 0.0)
-    sim.backlog = backlog = q - drops
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        inv_rate = 1.0 / rate_pos
-        pw = sim.erlang(c, lam * inv_rate)
-        theta = rate - lam
-        w99 = np.maximum(np.log(pw * (1.0 / P99_Q)) / np.maximum(theta, 1e-9), 0.0)
-        drain = backlog * inv_rate
-        svc = 1.0 / mu
-        p99 = np.minimum(svc + w99 + drain, sim.lat_cap)
-        budget = sim.slo - svc - drain
-        late = np.where(budget > 0, np.minimum(pw * np.exp(-theta * budget), 1.0), 1.0)
-    return served, drops, backlog, p99, late, theta, inv_rate

@@ -69,6 +69,24 @@ class Provisioning:
         return np.clip(slot - self.activated, 0, None)
 
 
+class PoolsView:
+    """What both simulators expose of their pools: `active` (ready) and `pending` (booting)
+    replicas [S, P] from `self.prov`, and the action check against their S, D, n."""
+
+    prov: Provisioning
+
+    @property
+    def active(self) -> np.ndarray:
+        return self.prov.active
+
+    @property
+    def pending(self) -> np.ndarray:
+        return self.prov.pending
+
+    def check_actions(self, actions) -> np.ndarray:
+        return check_actions(actions, self.S, self.D, self.n, self.cfg.branch_names)
+
+
 def check_layout(cfg, split: str, phases: Optional[str], eval_replicas: int) -> str:
     """Validate the split / phases / copies of a simulator; returns the phases in force."""
     if split not in ("train", "val", "eval"):
