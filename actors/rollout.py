@@ -21,7 +21,6 @@ from apex_bdq.nstep import NStepAccumulator, Transitions
 from apex_bdq.networks import BDQNetwork
 from apex_bdq.preference import Segment
 from apex_bdq.sim import make_sim
-from apex_bdq.sim.platform import P99_Q
 from learner.learner import Explorer, act_values
 
 
@@ -93,8 +92,7 @@ class RolloutWorker:
         self.pref = pref_cfg if pref_cfg is not None and pref_cfg.enabled else None
         self.steer_temperature = self.pref.temperature if (self.pref is not None and self.pref.explore_softmax
                                                            and net.pref is not None) else 0.0
-        self.explorer = Explorer(sim_cfg.num_shards, sim_cfg.num_branches, self.eps, self.rng,
-                                 agent_cfg.explore_hold_mu, agent_cfg.explore_max_hold)
+        self.explorer = Explorer(sim_cfg.num_shards, sim_cfg.num_branches, self.eps, self.rng)
         self.shaping_weight = self.pref.shaping if self.pref is not None and net.pref is not None else 0.0
         self.shaping = 0.0  # on once the head is trained (set_preference_active)
         self.recorder = SegmentRecorder(sim_cfg.num_shards, self.pref, self.rng, source) if self.pref else None
@@ -109,15 +107,7 @@ class RolloutWorker:
         # priorities without a second forward pass). None = compute before the next decision.
         self._q: Optional[np.ndarray] = None
         self._u: Optional[np.ndarray] = None
-        self.slo_penalty = agent_cfg.slo_penalty  # training-only cost per broken class-window (a trainer may adapt it)
-        # Dense surrogate (agent.slo_burn_penalty): the charge is the growth of min(burn, cap) of
-        # each class's error-budget burn in the open window (the simulator's own late count).
-        self.burn_penalty = agent_cfg.slo_burn_penalty
-        self.burn_cap = agent_cfg.slo_burn_cap
-        self._burn_unit = self.sim.inv_mean_n / (P99_Q * self.sim.W)  # [K] burn per late request
-        # Replay warm-up (agent.warmup_uniform): uniform actions until the caller says the
-        # learner has updated (LocalTrainer after its first update, an actor on weights past version 0).
-        self.uniform = bool(agent_cfg.warmup_uniform)
+        self.slo_penalty = agent_cfg.slo_penalty  # training-only cost per broken class-window
         self.env_steps = 0
         self.episode_reward = np.zeros(sim_cfg.num_shards)
         self.finished_rewards: list[float] = []
@@ -143,10 +133,7 @@ class RolloutWorker:
         o = self.obs
         if self._q is None:
             self._evaluate(o)
-        if self.uniform:  # replay warm-up: every sub-action at random
-            actions = self.rng.integers(0, self.sim.n, size=self._q.shape[:2])
-        else:
-            actions = self.explorer.choose(self._q, self._u)
+        actions = self.explorer.choose(self._q, self._u)
         q_taken = np.take_along_axis(self._q, actions[..., None], -1)[..., 0]  # [S, D]
         if self.recorder is not None:
             self.recorder.decision(o.macro, o.micro, actions)
@@ -155,8 +142,6 @@ class RolloutWorker:
         truncated = False
         lam = self.slo_penalty
         for i in range(k):
-            if self.burn_penalty:  # the open window's late requests before this tick (0 after a close or reset)
-                late_before = self.sim.win_late.copy()
             nxt, reward, truncated, info = self.sim.step(actions)
             self.env_steps += self.sim.S
             self.episode_reward += reward
@@ -166,8 +151,6 @@ class RolloutWorker:
                 self.recorder.tick(info, over)
             if lam and info["window_violated"] is not None:
                 reward = reward - lam * info["window_violated"].sum(1)  # [S] broken class-windows
-            if self.burn_penalty:
-                reward = reward - self.burn_penalty * self._burn_charge(late_before, info["late_requests"])
             block += (g ** i) * reward
             if truncated:
                 break
@@ -194,19 +177,10 @@ class RolloutWorker:
             self.episode_reward[:] = 0
             nxt = self.sim.reset()
             self._q = None
-            self.explorer.reset()
             if self.recorder is not None:
                 self.recorder.reset()
         self.obs = nxt
         return out
-
-    def _burn_charge(self, late_before: np.ndarray, late_now: np.ndarray) -> np.ndarray:
-        """[S] growth of sum_k min(burn_k, cap) this tick: the open window held `late_before`
-        late requests per class before it and gained `late_now` (a closing tick's requests
-        still count for the window they close)."""
-        before = late_before * self._burn_unit
-        after = before + late_now * self._burn_unit
-        return (np.minimum(after, self.burn_cap) - np.minimum(before, self.burn_cap)).sum(1)
 
     def _priority(self, tr: Transitions, v_next: np.ndarray) -> np.ndarray:
         """|TD| of each transition, y = R + discount * v_next against Q_d(s, a_d), aggregated

@@ -112,7 +112,6 @@ class RolloutActor:
 
     def _set_version(self, version: int) -> None:
         self.version = self.worker.version = version
-        self.worker.uniform = self.cfg.agent.warmup_uniform and version <= 0  # replay warm-up until the first update
         self.worker.weights_changed()
         if self.preference is not None:  # weights this far on carry a trained preference head
             self.worker.set_preference_active(version >= self.cfg.pref.warmup_updates)

@@ -15,7 +15,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from apex_bdq.config import ConfigError, SimConfig
+from apex_bdq.config import ConfigError, SimConfig, net_config_from_dict
 from apex_bdq.networks import BDQNetwork, NetConfig
 
 FORMAT = "apex-bdq-checkpoint/1"
@@ -54,7 +54,7 @@ def load_checkpoint(path: str | Path) -> dict:
 
 
 def net_config_of(ck: dict) -> NetConfig:
-    return NetConfig(**ck["config"]["net"])
+    return net_config_from_dict(ck["config"]["net"])
 
 
 def platform_of(ck: dict) -> str:

@@ -43,21 +43,19 @@ class TraceConfig:
     validation_fraction: float = 0.15
     """The last `validation_fraction` of the part before the held-out range becomes a
     validation range (split "val"; whole days on a multi-day trace: 3 of the bundled v2
-    trace's 21): trained on by nothing, looked at by policy selection and by whoever
-    chooses settings, so the held-out range stays a test set. 0 = none: selection then
-    scores on the training range. The rates' normalisation covers training and validation
-    together, so the held-out range is the same trace with or without it."""
+    trace's 21): trained on by nothing, looked at by whoever chooses settings
+    (`evaluate_policy(..., split="val")`), so the held-out range stays a test set. 0 = none.
+    The rates' normalisation covers training and validation together, so the held-out range
+    is the same trace with or without it."""
     poisson_noise: bool = True
     """Draw per-tick arrivals from Poisson(rate * tick); off gives the fluid mean."""
     smooth_s: Optional[float] = None
     """Centred moving average over this many seconds of the trace's rows before it is
-    scaled (0 = none). A small site's per-minute counts carry the noise of its few users
-    (NASA-HTTP's training days: 29-38 % standard deviation minute to minute around the local
-    mean, 3-5x Poisson, at 0.59 requests/s); scaled to a platform's rate (class 0: ~200
-    requests/s, whose own Poisson noise is ~1 % per minute) that noise would be ~30x too
-    large, so the rate is taken from the trace's slower structure and the simulator draws
-    Poisson arrivals at the scaled rate. None: 300 s for the bundled NASA trace (the v2 default, on either platform), 0 for
-    any other file."""
+    scaled (0 = none). A small site's per-minute counts carry the noise of its few users,
+    which scaled up to a platform's rate would be far larger than that rate's own Poisson
+    noise; smoothed, the rate follows the trace's slower structure and the simulator draws
+    Poisson arrivals at the scaled rate. None: 300 s for the bundled NASA trace (the v2
+    default, on either platform), 0 for any other file."""
 
     def __post_init__(self) -> None:
         _check(0.0 < self.eval_fraction < 1.0,
@@ -350,61 +348,23 @@ class AgentConfig:
     multiplier of a Lagrangian relaxation of "maximise reward subject to an SLO violation
     rate" (constrained RL, Altman 1999; Tessler et al., ICLR 2019). Evaluation always
     reports the platform's own reward. 0 = train on the reward as is."""
-    slo_burn_penalty: float = 0.0
-    """Training-only cost per unit of a class-window's error-budget burn, capped at
-    `slo_burn_cap` budgets, charged tick by tick as late requests accumulate (dense): a
-    smooth surrogate of the per-broken-window `slo_penalty`. The burn of a class in an
-    accounting window is its late (or dropped) requests over the 1 % the SLO allows of an
-    average window's requests, so 1 = the budget spent; a window's charge is
-    slo_burn_penalty x min(burn, slo_burn_cap). Why: the indicator "window broken" is a rare
-    event (2-3 % of class-windows) that carries all of a capacity tier's advantage in a heavy
-    tail, while the capped burn differs between neighbouring tiers in ~93 % of windows;
-    measured on the training range, its per-window signal-to-noise ratio between
-    neighbouring tiers is 2.2-2.4x the indicator's (README, "Why the learner preferred too
-    little capacity", point 11). 0 = off."""
-    slo_burn_cap: float = 0.5
-    """Burn (in error budgets) beyond which a class-window costs no more under `slo_burn_penalty`."""
-    slo_target_vs_hpa: Optional[float] = None
-    """Adapt `slo_penalty` while training (dual ascent on the Lagrange multiplier; the
-    constraint is "SLO violation rate <= this multiple of Kubernetes HPA's"): every
-    `train.constraint_every_s` the greedy policy and HPA are run on the training range (the
-    held-out range stays unseen) and log(penalty) moves by `slo_penalty_step` x the relative
-    excess (v - target) / target, clipped to +-1 and to `slo_penalty_bounds` x the initial
-    penalty. None = a fixed penalty. The local trainer only."""
-    slo_penalty_step: float = 0.3
-    """Step of that update on log(penalty) per check."""
-    slo_penalty_bounds: tuple[float, float] = (0.25, 4.0)
-    """Lowest and highest adapted penalty, as multiples of the initial `slo_penalty`."""
     grad_clip: float = 10.0
     """Max global gradient norm."""
     huber_delta: float = 1.0
     """Huber loss threshold on TD errors (in scaled reward units). Errors beyond it get a unit
     gradient, which turns the critic's estimate towards the median of the return: a rare SLA
-    credit or SLO penalty then barely moves it. launch.train's default preset uses 4 (README,
-    "Why the learner preferred too little capacity", point 8)."""
+    credit or SLO penalty then barely moves it; a larger delta makes it estimate the mean."""
     eps_base: float = 0.4
     """Ape-X exploration ladder: shard i explores with eps_base^(1 + eps_alpha i/(S-1))."""
     eps_alpha: float = 7.0
-    explore_hold_mu: float = 0.0
-    """Temporally-extended exploration (ez-greedy, Dabney et al., ICLR 2021): a branch that
-    starts exploring holds its random sub-action for n decisions, n ~ Zipf(mu) capped at
-    `explore_max_hold`. 0 = plain per-decision epsilon-greedy. A capacity change pays off only
-    if held past the provisioning delay, which one-decision dithering never does."""
-    explore_max_hold: int = 12
-    warmup_uniform: bool = False
-    """Until the learner's first update (Ape-X actors: until weights past version 0 reach
-    them, i.e. the first publication after an update), every shard acts uniformly at random on every branch
-    (the replay warm-up of Mnih et al. 2015), instead of the initial network's greedy choice
-    under the epsilon ladder: an untrained network's argmax is an arbitrary, nearly constant
-    action, and the first replay would hold little else."""
     initial_policy: str = "network"
     """What the untrained network does: "network" = whatever its random initialisation's
-    argmax is (an arbitrary, nearly constant action: capacity tier 1, 0, 3, 1, 4 for seeds
-    0-4 of the default preset), "default" = the platform's default setting (the middle
-    capacity tier, proportional shares, admit all, full speed; the advantage branches'
-    output layer starts at zero with that sub-action a 0.01 tie-break ahead), so the first
-    replay and the exploration ladder start from what an operator would run, not from a
-    random configuration."""
+    argmax is (an arbitrary, nearly constant action that depends on the seed), "default" =
+    the platform's default setting (the middle capacity tier, proportional shares, admit
+    all, full speed; the advantage branches' output layer starts at zero with that
+    sub-action a 0.01 tie-break ahead), so the first replay and the exploration ladder start
+    from what an operator would run, not from a random configuration. The local learner,
+    the Ray Train learner and the Ape-X driver's version 0 all apply it."""
     priority_rule: str = "mean"
     """Priority = mean (or sum) over branches of |TD|, the same rule in actors and learner."""
 
@@ -423,21 +383,7 @@ class AgentConfig:
         _check(self.target_update >= 1, f"agent.target_update must be >= 1, got {self.target_update!r}")
         _check(self.reward_scale > 0, f"agent.reward_scale must be > 0, got {self.reward_scale!r}")
         _check(self.slo_penalty >= 0, f"agent.slo_penalty must be >= 0, got {self.slo_penalty!r}")
-        _check(self.slo_burn_penalty >= 0, f"agent.slo_burn_penalty must be >= 0, got {self.slo_burn_penalty!r}")
-        _check(self.slo_burn_cap > 0, f"agent.slo_burn_cap must be > 0 (error budgets), got {self.slo_burn_cap!r}")
-        if self.slo_target_vs_hpa is not None:
-            _check(self.slo_target_vs_hpa > 0,
-                   f"agent.slo_target_vs_hpa must be > 0 (or none), got {self.slo_target_vs_hpa!r}")
-            _check(self.slo_penalty > 0, "agent.slo_target_vs_hpa adapts agent.slo_penalty multiplicatively: "
-                                         f"give it an initial value > 0 (got {self.slo_penalty!r})")
-        _check(self.slo_penalty_step > 0, f"agent.slo_penalty_step must be > 0, got {self.slo_penalty_step!r}")
-        lo_hi = tuple(self.slo_penalty_bounds)
-        _check(len(lo_hi) == 2 and 0 < lo_hi[0] <= 1 <= lo_hi[1],
-               f"agent.slo_penalty_bounds must be (low <= 1, high >= 1) with low > 0, got {self.slo_penalty_bounds!r}")
         _check(0 < self.eps_base <= 1, f"agent.eps_base must be in (0, 1], got {self.eps_base!r}")
-        _check(self.explore_hold_mu == 0 or self.explore_hold_mu > 1,
-               f"agent.explore_hold_mu must be 0 (off) or > 1 (a Zipf exponent), got {self.explore_hold_mu!r}")
-        _check(self.explore_max_hold >= 1, f"agent.explore_max_hold must be >= 1, got {self.explore_max_hold!r}")
         _check(self.initial_policy in ("network", "default"),
                f"agent.initial_policy must be 'network' or 'default', got {self.initial_policy!r}")
         _check(self.priority_rule in ("mean", "sum"),
@@ -483,17 +429,11 @@ class NetConfig:
     Bradley-Terry loss on ranked segment pairs); 0 = no head. Christiano et al. used 3."""
     preference_hidden: int = 64
     """Hidden width of each preference-head member's branch MLPs."""
-    quantiles: int = 0
-    """N > 0: a distributional head (quantile regression, QR-DQN: Dabney et al., AAAI 2018):
-    V and every advantage branch give N quantiles of the return, trained with the quantile
-    Huber loss (kappa = agent.huber_delta); Q is their mean, so acting, serving and the
-    preference steer are unchanged. 0 = the expected-value head. Experimental: it does not
-    train the default preset yet (README, "Distributional head")."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("preference_ensemble", "quantiles"):
+            if f.name == "preference_ensemble":
                 if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                     raise ConfigError(f"net.{f.name} must be an int >= 0, got {v!r}")
                 continue
@@ -528,8 +468,8 @@ class PreferenceConfig:
     explore_softmax: bool = True
     """Exploratory sub-actions are drawn from softmax(u_d / temperature) instead of uniformly."""
     temperature: float = 0.3
-    """Temperature of that softmax, in utility units (trained utilities spread ~0.3 across a
-    branch's sub-actions: a segment score is split over T x D terms)."""
+    """Temperature of that softmax, in utility units (a segment score is split over T x D
+    utility terms, so one term is small)."""
     warmup_updates: int = 2000
     """Exploration and shaping use the utilities only once the learner has made this many
     updates (an untrained head would steer at random)."""
@@ -549,8 +489,8 @@ class PreferenceConfig:
     """Pairs the oracle ranks at most per call (one call per emitted batch of segments)."""
     oracle_pairs_per_min: float = 100.0
     """The oracle's pace, like a labeller's: after a first `min_pairs`, at most this many pairs
-    per minute of the run (400 pairs over 4 minutes), so late segments of the changing policy
-    get ranked too; 0 = as fast as segments arrive (400 pairs in the first ~70 s of a local run)."""
+    per minute of the run, so late segments of the changing policy get ranked too; 0 = as
+    fast as segments arrive."""
     oracle_error_rate: float = 0.1
     """Share of oracle answers given at random, as real labellers err."""
     oracle_weights: tuple[float, float, float] = (1.0, 1.0, 1.0)
@@ -567,11 +507,8 @@ class PreferenceConfig:
     """Pairs per preference batch."""
     update_every: int = 4
     """The learner adds the preference loss on every k-th update (it costs an encoder pass
-    over 2 x batch_pairs x T decisions). A trade-off measured in the preference benchmark
-    (2026-11-30: an earlier preset, the oracle unpaced, held-out pairs the most disputed):
-    every 4th update steers exploration harder (overload -34 %) but goes over a few hundred
-    pairs ~180 times in 4 minutes and overfits (held-out accuracy 0.81); every 16th ranks
-    held-out pairs better (0.89; 0.94 against the oracle's rule) and steers less (-16 %)."""
+    over 2 x batch_pairs x T decisions). A smaller k trains the head on its few ranked pairs
+    more often: it steers harder and overfits them sooner."""
     min_pairs: int = 16
     """Ranked pairs needed before the learner adds the preference loss."""
     eval_pairs: int = 500
@@ -629,43 +566,13 @@ class TrainConfig:
     final evaluation uses the yardstick's layout (64 segments x 2 copies), so the learned
     policy meets the same arrivals as every point of the rules' frontiers. (Platform v1's
     one-day trace gives 1,440 per copy: it used 8 segments x 64 copies.)"""
-    constraint_every_s: float = 45.0
-    """Seconds between the training-range checks that adapt the SLO penalty (with
-    agent.slo_target_vs_hpa)."""
-    constraint_shards: int = 32
-    constraint_replicas: int = 2
-    """Those checks cover the training range constraint_replicas times with
-    constraint_shards shards per copy (about 2 s with the default preset on 2 cores)."""
-    constraint_ticks: Optional[int] = 3600
-    """Ticks per shard of those checks and of the policy-selection checks (None: the whole
-    range). Platform v1's one-day trace gave ~2,000 per shard; v2's 18 training days would
-    give ~49,000, so the checks look at an hour of each shard's stretch."""
-    select_every_s: Optional[float] = None
-    """Policy selection on a validation split (local trainer and Ape-X driver): every this many seconds,
-    and once at the end, the greedy policy runs on the *training* range (the yardstick of the
-    constraint checks: constraint_shards x constraint_replicas, fixed arrivals, so every check
-    meets the same requests); the run's policy is the checked one with the highest reward
-    among those whose violation rate is within select_violation_vs_hpa x HPA's there (none
-    within: the lowest violation rate). The held-out range stays unseen. None: off, the last
-    weights are the policy."""
-    select_violation_vs_hpa: float = 1.0
-    """The validation constraint of policy selection: SLO violation rate <= this x HPA's on
-    the training range."""
     seed: int = 0
     torch_threads: int = 2
 
     def __post_init__(self) -> None:
         _check(self.minutes > 0, f"train.minutes must be > 0, got {self.minutes!r}")
-        _check(self.select_every_s is None or self.select_every_s > 0,
-               f"train.select_every_s must be > 0 or none, got {self.select_every_s!r}")
-        _check(self.select_violation_vs_hpa > 0,
-               f"train.select_violation_vs_hpa must be > 0, got {self.select_violation_vs_hpa!r}")
         _check(self.eval_ticks >= 1 and self.eval_shards >= 1, "train.eval_ticks and eval_shards must be >= 1")
         _check(self.final_eval_replicas >= 1, f"train.final_eval_replicas must be >= 1, got {self.final_eval_replicas!r}")
-        _check(self.constraint_ticks is None or self.constraint_ticks >= 1,
-               f"train.constraint_ticks must be >= 1 or none, got {self.constraint_ticks!r}")
-        _check(self.constraint_every_s > 0 and self.constraint_shards >= 1 and self.constraint_replicas >= 1,
-               "train.constraint_every_s must be > 0 and constraint_shards / constraint_replicas >= 1")
         _check(self.sim.episode_ticks % self.agent.decision_ticks == 0,
                f"train: episode length {self.sim.episode_ticks} ticks is not a multiple of "
                f"agent.decision_ticks={self.agent.decision_ticks} (the last held block would be cut short)")
@@ -681,14 +588,46 @@ class TrainConfig:
                    f"train.net.{f}={getattr(self.net, f)} does not match the simulator ({getattr(want, f)})")
 
 
+# Fields of experiments removed after commit a1f8305 (docs/removed_experiments.md), per
+# section: the value that meant "off", or _ANY for a setting read only when its switch was on.
+# A saved config (checkpoint) still loads when they are off; one that turned a removed
+# experiment on is refused, since this code would no longer do what it was trained with.
+_ANY = object()
+REMOVED_FIELDS: dict[str, dict[str, Any]] = {
+    "net": {"quantiles": 0},
+    "agent": {"warmup_uniform": False, "slo_burn_penalty": 0.0, "slo_burn_cap": _ANY,
+              "slo_target_vs_hpa": None, "slo_penalty_step": _ANY, "slo_penalty_bounds": _ANY,
+              "explore_hold_mu": 0.0, "explore_max_hold": _ANY},
+    "train": {"constraint_every_s": _ANY, "constraint_shards": _ANY, "constraint_replicas": _ANY,
+              "constraint_ticks": _ANY, "select_every_s": None, "select_violation_vs_hpa": _ANY},
+}
+
+
+def drop_removed_fields(section: str, d: dict) -> dict:
+    """`d` (a saved config section: "net", "agent" or "train") without the fields of removed
+    experiments; ConfigError if one of them was switched on."""
+    out = dict(d)
+    for name, off in REMOVED_FIELDS[section].items():
+        if name not in out:
+            continue
+        val = out.pop(name)
+        if off is not _ANY and val != off:
+            prefix = "" if section == "train" else f"{section}."
+            raise ConfigError(f"this config sets {prefix}{name}={val!r}, an experiment removed after commit a1f8305 "
+                              "(docs/removed_experiments.md): restore it from that commit with git to use it")
+    return out
+
+
+def net_config_from_dict(d: dict) -> NetConfig:
+    """A NetConfig from `dataclasses.asdict` output (a checkpoint's "net")."""
+    return NetConfig(**drop_removed_fields("net", d))
+
+
 def train_config_from_dict(d: dict) -> TrainConfig:
-    d = dict(d)
+    d = drop_removed_fields("train", d)
     sim = sim_config_from_dict(d.pop("sim"))
-    net = NetConfig(**d.pop("net"))
-    agent = dict(d.pop("agent"))
-    if "slo_penalty_bounds" in agent:
-        agent["slo_penalty_bounds"] = tuple(agent["slo_penalty_bounds"])
-    agent = AgentConfig(**agent)
+    net = net_config_from_dict(d.pop("net"))
+    agent = AgentConfig(**drop_removed_fields("agent", d.pop("agent")))
     pref = dict(d.pop("pref", {}) or {})
     if "oracle_weights" in pref:
         pref["oracle_weights"] = tuple(pref["oracle_weights"])

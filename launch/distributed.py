@@ -362,11 +362,9 @@ class ApexRun:
     # -- the run -----------------------------------------------------------------------------
     def run(self, minutes: Optional[float] = None, max_updates: Optional[int] = None,
             on_progress: Optional[Callable[[dict], None]] = None,
-            evaluate: Optional[Callable] = None, validate: Optional[Callable] = None) -> dict:
+            evaluate: Optional[Callable] = None) -> dict:
         """Train for `minutes` (default: the preset's); evaluate(net, ticks) -> dict is called
-        every `eval_every_s` on the newest weights, validate(net, version, t_s)
-        every `select_every_s` (policy selection) when that is set; both run in this
-        driver loop (a training-range check takes ~2 s of CPU beside the run)."""
+        every `eval_every_s` on the newest weights, in this driver loop."""
         import ray
         minutes = self.cfg.minutes if minutes is None else minutes
         self.start()
@@ -383,7 +381,6 @@ class ApexRun:
         th = threading.Thread(target=fit, name="train-fit", daemon=True)
         th.start()
         next_eval = self.cfg.eval_every_s
-        next_check = self.cfg.select_every_s if validate is not None and self.cfg.select_every_s else math.inf
         last = None
         failure = None
         while th.is_alive():
@@ -421,10 +418,6 @@ class ApexRun:
                                                                           "slo_violation_rate",
                                                                           "hpa_slo_violation_rate")}})
                 next_eval = (time.perf_counter() - t0) + self.cfg.eval_every_s
-            if now >= next_check and st.get("version", -1) > 0:
-                net, v = self.current_policy_net()
-                validate(net, v, self.t_offset + now)
-                next_check = (time.perf_counter() - t0) + self.cfg.select_every_s
             if on_progress is not None:
                 on_progress({**st, "t_s": now})
         train_s = time.perf_counter() - t0
@@ -498,14 +491,9 @@ def copy_checkpoint(result, dest: str | Path) -> Optional[Path]:
     return dest
 
 
-def annotate_checkpoint(path: Path, counters: dict, policy_state: Optional[dict] = None) -> None:
-    """Write the driver's counters (env steps, learning curve) into the copied checkpoint;
-    policy_state: weights chosen by policy selection, which replace the online and target
-    networks there (what `launch.evaluate` and Serve load)."""
+def annotate_checkpoint(path: Path, counters: dict) -> None:
+    """Write the driver's counters (env steps, learning curve) into the copied checkpoint."""
     from apex_bdq.checkpoint import save_checkpoint
     ck = load_checkpoint(path)
-    learner = ck["learner"]
-    if policy_state is not None:
-        learner = {**learner, "net": dict(policy_state), "target": dict(policy_state)}
-    save_checkpoint(path, ck["config"], learner, {**ck["counters"], **counters})
+    save_checkpoint(path, ck["config"], ck["learner"], {**ck["counters"], **counters})
 

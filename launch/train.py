@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 from typing import Optional
 
-import numpy as np
 import torch
 
 from apex_bdq.checkpoint import (CheckpointError, GreedyPolicy, config_to_dict, load_checkpoint, save_checkpoint)
@@ -51,7 +50,7 @@ PRESETS = {
                                             head_hidden=64),
                       agent=AgentConfig(lr=3e-4, decision_ticks=30, updates_per_decision=2.0, huber_delta=4.0,
                                         slo_penalty=220.0),
-                      eval_shards=8, final_eval_replicas=64, constraint_ticks=None),
+                      eval_shards=8, final_eval_replicas=64),
     # For tests: seconds, not minutes.
     "smoke": TrainConfig(
         sim=SimConfig(num_shards=8, seed=1),
@@ -81,77 +80,6 @@ def evaluate_against_hpa(net, cfg: TrainConfig, ticks: Optional[int], shards: in
         d = [x - y for x, y in zip(learned["slo_violation_rate_per_replica"], hpa["slo_violation_rate_per_replica"])]
         out["slo_violation_rate_diff_se"] = statistics.stdev(d) / math.sqrt(len(d))
     return out
-
-
-class PolicySelector:
-    """Policy selection (train.select_every_s): each check runs a network's greedy policy on
-    the validation range when the trace has one (trace.validation_fraction > 0), else on the
-    training range (fixed arrivals, so every check meets the same requests; HPA there once),
-    and keeps its weights if it is the best so far: feasible (violation rate <=
-    select_violation_vs_hpa x HPA's) before infeasible, then the higher reward among feasible
-    checks and the lower violation rate among infeasible ones. The held-out range stays
-    unseen: the final evaluation there judges the selected policy as it would any other.
-    The dual-ascent SLO controller (agent.slo_target_vs_hpa) uses `train_range`."""
-
-    def __init__(self, cfg: TrainConfig) -> None:
-        self.cfg = cfg
-        self.split = "val" if cfg.sim.trace.validation_fraction > 0 else "train"
-        self.log: list[dict] = []  # one row per check
-        self._hpa: dict = {}  # per split
-        self._best: Optional[tuple] = None  # (score, state_dict, row)
-
-    def metrics(self, net, split: str) -> tuple[dict, dict]:
-        """The greedy `net`'s and HPA's metrics on `split`: the training range as
-        constraint_shards x constraint_replicas shards; the (shorter) validation range as 8
-        shards x the same number of simulator shards in copies."""
-        c = self.cfg
-        shards, replicas = c.constraint_shards, c.constraint_replicas
-        if split == "val":
-            shards, replicas = 8, max(1, c.constraint_shards * c.constraint_replicas // 8)
-        if split not in self._hpa:
-            self._hpa[split] = evaluate_policy(HPA(), c.sim, shards=shards, replicas=replicas, split=split,
-                                               ticks=c.constraint_ticks).metrics
-        m = evaluate_policy(GreedyPolicy(net, c.agent.decision_ticks), c.sim, shards=shards, replicas=replicas,
-                            split=split, ticks=c.constraint_ticks).metrics
-        net.train()
-        return m, self._hpa[split]
-
-    def train_range(self, net) -> tuple[dict, dict]:
-        """The greedy `net`'s and HPA's metrics on the training range."""
-        return self.metrics(net, "train")
-
-    def check(self, net, t_s: float, updates: int, version: Optional[int] = None) -> dict:
-        """Score `net` (the weights after `updates` learner updates; `version` the weight
-        version they were published as, which identifies them: default `updates`)."""
-        m, hpa = self.metrics(net, self.split)
-        limit = self.cfg.select_violation_vs_hpa * hpa["slo_violation_rate"]
-        feasible = m["slo_violation_rate"] <= limit
-        score = (feasible, m["reward"] if feasible else -m["slo_violation_rate"])
-        row = {"t_s": round(t_s, 3), "split": self.split, "updates": int(updates), "version": int(updates if version is None else version),
-               "reward": m["reward"],
-               "slo_violation_rate": m["slo_violation_rate"], "hpa_reward": hpa["reward"],
-               "hpa_slo_violation_rate": hpa["slo_violation_rate"], "limit": limit, "feasible": bool(feasible)}
-        if self._best is None or score > self._best[0]:
-            self._best = (score, {k: v.detach().clone() for k, v in net.state_dict().items()}, row)
-        row["best_so_far"] = self._best[2]["version"]
-        self.log.append(row)
-        return row
-
-    def final_check(self, net, t_s: float, updates: int, version: Optional[int] = None) -> dict:
-        """End of a run: the last weights are a candidate too (checked unless the last check
-        was of them); returns the selected check's row."""
-        if not self.log or self.log[-1]["version"] != (updates if version is None else version):
-            self.check(net, t_s, updates, version)
-        return self.selected
-
-    @property
-    def selected(self) -> Optional[dict]:
-        """The best check's row (None before any check)."""
-        return None if self._best is None else self._best[2]
-
-    @property
-    def best_state(self) -> Optional[dict]:
-        return None if self._best is None else self._best[1]
 
 
 class LocalTrainer:
@@ -196,17 +124,12 @@ class LocalTrainer:
         self.t_offset = 0.0  # training time before a resume, so the curve keeps going forward
         self.last_loss = float("nan")
         self._hpa_cache: dict = {}
-        self.constraint_log: list[dict] = []  # one row per SLO-penalty update (agent.slo_target_vs_hpa)
-        # The training-range yardstick of the SLO-penalty controller and of policy selection.
-        self.selector = PolicySelector(cfg)
 
     # -- state ---------------------------------------------------------------------------
     def checkpoint(self, path: str | Path) -> None:
         save_checkpoint(path, config_to_dict(self.cfg), self.learner.state_dict(),
                         {"decisions": self.decisions, "env_steps": self.rollout.env_steps, "updates": self.learner.updates,
-                         "history": self.history, "feedback_log": self.pref.log.path if self.pref is not None else None,
-                         "slo_penalty": self.rollout.slo_penalty, "constraint_log": self.constraint_log,
-                         "selection_log": self.selector.log})
+                         "history": self.history, "feedback_log": self.pref.log.path if self.pref is not None else None})
 
     def resume(self, path: str | Path) -> None:
         """Warm start: weights, target, optimiser (its learning rate included), counters and
@@ -222,17 +145,12 @@ class LocalTrainer:
             c = ck["counters"]
             self.decisions, self.rollout.env_steps = int(c["decisions"]), int(c["env_steps"])
             self.history = list(c["history"])
-            self.selector.log = list(c.get("selection_log") or [])  # earlier checks; selection starts anew
-            if self.cfg.agent.slo_target_vs_hpa is not None and c.get("slo_penalty") is not None:
-                self.rollout.slo_penalty = float(c["slo_penalty"])  # the adapted multiplier carries on
-                self.constraint_log = list(c.get("constraint_log") or [])
         except (KeyError, TypeError, ValueError, RuntimeError) as e:
             if isinstance(e, CheckpointError):
                 raise
             raise CheckpointError(f"checkpoint {str(path)!r} cannot be resumed: {type(e).__name__}: {e}") from e
         self.t_offset = float(self.history[-1]["t_s"]) if self.history else 0.0
         self.rollout.weights_changed()
-        self.rollout.uniform = self.cfg.agent.warmup_uniform and self.learner.updates == 0
 
     # -- loop ----------------------------------------------------------------------------
     def train_tick(self) -> None:
@@ -257,7 +175,6 @@ class LocalTrainer:
                 self.rollout.set_preference_active(True)
                 self.pref_active = True
             out = self.learner.update(s.data, s.weights, pb)
-            self.rollout.uniform = False  # the replay warm-up (agent.warmup_uniform) ends with the first update
             self.replay.update_priorities(s.indices, s.generations, out["priorities"])
             self.last_loss = out["loss"]
             self.rollout.weights_changed()
@@ -265,49 +182,11 @@ class LocalTrainer:
     def evaluate(self, ticks: Optional[int], shards: int, replicas: int = 1) -> dict:
         return evaluate_against_hpa(self.learner.net, self.cfg, ticks, shards, self._hpa_cache, replicas)
 
-    def validate(self, t_s: float) -> dict:
-        """One policy-selection check (train.select_every_s) of the current weights."""
-        return self.selector.check(self.learner.net, self.t_offset + t_s, self.learner.updates)
-
-    def select_policy(self) -> Optional[dict]:
-        """End of a run with selection: the best checked weights become the policy (online
-        and target network), so the final evaluation, the checkpoint, `launch.evaluate` and
-        Serve all use them. Returns the chosen check's row (None without checks)."""
-        row = self.selector.selected
-        if row is not None and row["updates"] != self.learner.updates:
-            self.learner.net.load_state_dict(self.selector.best_state)
-            self.learner.target.load_state_dict(self.selector.best_state)
-            self.rollout.weights_changed()
-        return row
-
-    def adapt_slo_penalty(self, t_s: float) -> dict:
-        """One dual-ascent step on the SLO penalty (agent.slo_target_vs_hpa): the greedy
-        policy's violation rate v on the training range against target = ratio x HPA's there;
-        log(penalty) += step x clip((v - target) / target, -1, 1), kept within the bounds.
-        Rewards already in replay keep the penalty they were collected with; at ~1.5 minutes
-        of replay turnover and a step of at most e^0.3 per check that lag is small."""
-        a = self.cfg.agent
-        m, hpa = self.selector.train_range(self.learner.net)
-        v = m["slo_violation_rate"]
-        target = a.slo_target_vs_hpa * hpa["slo_violation_rate"]
-        err = float(np.clip((v - target) / max(target, 1e-9), -1.0, 1.0))
-        lo, hi = (a.slo_penalty * b for b in a.slo_penalty_bounds)
-        lam = float(np.clip(self.rollout.slo_penalty * math.exp(a.slo_penalty_step * err), lo, hi))
-        row = {"t_s": round(self.t_offset + t_s, 3), "updates": self.learner.updates, "train_violation": v,
-               "target": target, "slo_penalty_before": self.rollout.slo_penalty, "slo_penalty": lam}
-        self.rollout.slo_penalty = lam
-        self.constraint_log.append(row)
-        return row
-
     def run(self, progress: bool = True, checkpoint: Optional[str] = None) -> dict:
         cfg = self.cfg
         t0 = time.perf_counter()
         budget = cfg.minutes * 60.0
         next_eval = cfg.eval_every_s
-        adaptive = cfg.agent.slo_target_vs_hpa is not None
-        next_constraint = cfg.constraint_every_s
-        selecting = cfg.select_every_s is not None
-        next_select = cfg.select_every_s if selecting else math.inf
         bar = None
         if progress:
             from tqdm import tqdm
@@ -332,29 +211,18 @@ class LocalTrainer:
                 next_eval = (time.perf_counter() - t0) + cfg.eval_every_s
                 if checkpoint:
                     self.checkpoint(checkpoint)
-            if adaptive and now >= next_constraint and self.replay.size >= cfg.agent.learning_starts:
-                self.adapt_slo_penalty(now)
-                next_constraint = (time.perf_counter() - t0) + cfg.constraint_every_s
-            if selecting and now >= next_select and self.replay.size >= cfg.agent.learning_starts:
-                self.validate(now)
-                next_select = (time.perf_counter() - t0) + cfg.select_every_s
             if bar is not None and time.perf_counter() - last_t >= 2.0:
                 t = time.perf_counter()
                 sps = (self.rollout.env_steps - last_steps) / (t - last_t)
                 ups = (self.learner.updates - last_upd) / (t - last_t)
                 bar.set_postfix_str(f"env {sps:,.0f}/s upd {ups:,.1f}/s td {self.last_loss:.3f} "
-                                    f"replay {self.replay.size:,} eval {eval_r:.3f}"
-                                    + (f" slo-penalty {self.rollout.slo_penalty:.0f}" if adaptive else ""))
+                                    f"replay {self.replay.size:,} eval {eval_r:.3f}")
                 bar.update(int(t - t0) - shown)
                 shown = int(t - t0)
                 last_t, last_steps, last_upd = t, self.rollout.env_steps, self.learner.updates
         if bar is not None:
             bar.close()
         train_s = time.perf_counter() - t0
-        selected = None
-        if selecting:
-            self.selector.final_check(self.learner.net, self.t_offset + train_s, self.learner.updates)
-            selected = self.select_policy()
         final = self.evaluate(cfg.final_eval_ticks, cfg.eval_shards, cfg.final_eval_replicas)
         self.history.append({"t_s": self.t_offset + train_s, "env_steps": self.rollout.env_steps, "updates": self.learner.updates,
                              "eval_reward": final["eval_reward"], "hpa_eval_reward": final["hpa_eval_reward"],
@@ -369,9 +237,7 @@ class LocalTrainer:
                 "env_steps_per_s": self.rollout.env_steps / max(train_s, 1e-9),
                 "updates_per_s": self.learner.updates / max(train_s, 1e-9),
                 "exploration_overload_rate": self.rollout.overload_ticks / max(self.rollout.env_steps, 1),
-                "preference": self.preference_stats(), "history": self.history,
-                "slo_penalty_final": self.rollout.slo_penalty, "constraint_log": self.constraint_log,
-                "selection_log": self.selector.log, "selected": selected}
+                "preference": self.preference_stats(), "history": self.history}
 
     def preference_stats(self) -> Optional[dict]:
         if self.pref is None:
@@ -426,12 +292,6 @@ def _print_final(res: dict, checkpoint: Optional[str]) -> None:
         print(f"SLO violation rate, learned - HPA: {res['slo_violation_rate'] - res['hpa_slo_violation_rate']:+.5f} "
               f"+- {res['slo_violation_rate_diff_se']:.5f} (paired standard error over {res['learned']['replicas']} "
               f"copies of the range, {res['learned']['slo_windows']:,} class-windows)")
-    sel = res.get("selected")
-    if sel is not None:
-        print(f"policy selection: the weights at update {sel['updates']:,} ({sel['t_s']:.0f} s; "
-              f"{len(res['selection_log'])} checks on the {'validation' if sel.get('split') == 'val' else 'training'} "
-              f"range: reward {sel['reward']:.4f} vs HPA "
-              f"{sel['hpa_reward']:.4f}, violation rate {sel['slo_violation_rate']:.4f} vs limit {sel['limit']:.4f})")
     if checkpoint:
         print(f"checkpoint: {checkpoint}")
 
@@ -439,10 +299,6 @@ def _print_final(res: dict, checkpoint: Optional[str]) -> None:
 def run_distributed(cfg: TrainConfig, a, spec) -> dict:
     """The Ape-X run on Ray (launch/distributed.py) with progress and the final evaluation."""
     from launch.distributed import ApexRun, annotate_checkpoint, local_ray_init
-    if cfg.agent.slo_target_vs_hpa is not None:
-        raise ConfigError("agent.slo_target_vs_hpa (an SLO penalty adapted while training) is built into the local "
-                          "trainer only: run with --local, or give the distributed run a fixed agent.slo_penalty "
-                          "(--set agent.slo_target_vs_hpa=none)")
     resume = load_checkpoint(a.resume) if a.resume else None
     if resume is not None:
         saved = train_config_from_dict(resume["config"])
@@ -452,7 +308,6 @@ def run_distributed(cfg: TrainConfig, a, spec) -> dict:
                    log_to_driver=not a.quiet)
     run = ApexRun(cfg, spec, resume=resume)
     hpa_cache: dict = {}
-    selector = PolicySelector(cfg) if cfg.select_every_s is not None else None
     bar = None
     if not a.quiet:
         from tqdm import tqdm
@@ -478,19 +333,12 @@ def run_distributed(cfg: TrainConfig, a, spec) -> dict:
 
     try:
         out = run.run(on_progress=progress,
-                      evaluate=lambda net, ticks: evaluate_against_hpa(net, cfg, ticks, cfg.eval_shards, hpa_cache),
-                      # a published version is the learner's update count when it was published
-                      validate=(lambda net, v, t_s: selector.check(net, t_s, v, v)) if selector is not None else None)
+                      evaluate=lambda net, ticks: evaluate_against_hpa(net, cfg, ticks, cfg.eval_shards, hpa_cache))
         net, version = run.current_policy_net()
     finally:
         if bar is not None:
             bar.close()
         run.shutdown()
-    selected = None
-    if selector is not None:  # the best checked weights become the policy
-        selected = selector.final_check(net, run.t_offset + out["train_seconds"], version, version)
-        if selected["version"] != version:
-            net.load_state_dict(selector.best_state)
     final = evaluate_against_hpa(net, cfg, cfg.final_eval_ticks, cfg.eval_shards, hpa_cache, cfg.final_eval_replicas)
     st = out["status"]
     lr = st.get("learner") or {}
@@ -500,10 +348,8 @@ def run_distributed(cfg: TrainConfig, a, spec) -> dict:
                               "slo_violation_rate": final["slo_violation_rate"],
                               "hpa_slo_violation_rate": final["hpa_slo_violation_rate"]}]
     ck = Path(a.checkpoint) if a.checkpoint and Path(a.checkpoint).is_file() else None  # copied by the run
-    if ck is not None:  # with the final evaluation in its learning curve (and the selected policy)
-        annotate_checkpoint(ck, {**run.counters(), "history": history,
-                                 **({"selection_log": selector.log} if selector is not None else {})},
-                            policy_state=selector.best_state if selected and selected["version"] != version else None)
+    if ck is not None:  # with the final evaluation in its learning curve
+        annotate_checkpoint(ck, {**run.counters(), "history": history})
     train_s = out["train_seconds"]
     return {**{k: final[k] for k in ("eval_reward", "hpa_eval_reward", "slo_violation_rate", "hpa_slo_violation_rate",
                                      "slo_violation_rate_diff_se") if k in final},
@@ -516,8 +362,7 @@ def run_distributed(cfg: TrainConfig, a, spec) -> dict:
             "num_actors": spec.num_actors, "num_replay_shards": spec.num_replay_shards,
             "num_learners": spec.num_learners, "backend": spec.backend,
             "exploration_overload_rate": sum(x.get("overload_ticks", 0) for x in st["actors"]) / max(st["env_steps"], 1),
-            "preference": st.get("preference"), "checkpoint": str(ck) if ck else None, "history": history,
-            "selection_log": selector.log if selector is not None else [], "selected": selected}
+            "preference": st.get("preference"), "checkpoint": str(ck) if ck else None, "history": history}
 
 
 def config_file_args(argv: list[str]) -> list[str]:

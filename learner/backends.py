@@ -34,8 +34,7 @@ class _Backend:
 
     def forward(self, macro: torch.Tensor, micro: torch.Tensor, *pref_obs: torch.Tensor, **kw):
         """Q [B, D, n] (and preference utilities of pref_obs = (macro, micro)) through the
-        wrapper, so every gradient is synchronised by it; kw (quantiles=True) reaches the
-        network's forward."""
+        wrapper, so every gradient is synchronised by it; kw reaches the network's forward."""
         return self.model(macro, micro, *pref_obs, **kw)
 
     def optimizer_state(self) -> dict:

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from apex_bdq.config import AgentConfig
-from apex_bdq.losses import bdq_quantile_td_loss, bdq_td_loss, preference_loss, segment_scores
+from apex_bdq.losses import bdq_td_loss, preference_loss, segment_scores
 from apex_bdq.networks import BDQNetwork, NetConfig
 
 
@@ -24,25 +24,19 @@ def batch_td_loss(forward, module: BDQNetwork, target: BDQNetwork, data: dict, w
     at weight 0, so a wrapper that expects every parameter to get a gradient (DDP, ZeRO) sees
     the same graph on every step. A non-finite loss raises, naming `where`."""
     ex_pref: dict = {}
-    dist = module.cfg.quantiles > 0  # a distributional head: the loss reads its quantiles
-    kw = {"quantiles": True} if dist else {}
     if pref_batch is not None or keep_pref_head:
         if pref_batch is not None:
             pm, pu, acts, label = pref_batch_tensors(pref_batch, data["macro"].device)
         else:
             pm, pu = data["macro"][:1], data["micro"][:1]
-        q, u = forward(data["macro"], data["micro"], pm, pu, **kw)  # [B, D, n] (or [B, D, n, N]), [E, Bp, D, n]
+        q, u = forward(data["macro"], data["micro"], pm, pu)  # [B, D, n], [E, Bp, D, n]
     else:
-        q = forward(data["macro"], data["micro"], **kw)  # [B, D, n] (or [B, D, n, N])
+        q = forward(data["macro"], data["micro"])  # [B, D, n]
     with torch.no_grad():
         q_next_online = module(data["next_macro"], data["next_micro"])
-        q_next_target = target(data["next_macro"], data["next_micro"], **kw)
-    if dist:
-        loss, ex = bdq_quantile_td_loss(q, data["action"].long(), data["reward"], data["discount"], q_next_online,
-                                        q_next_target, weights, kappa=cfg.huber_delta, priority=cfg.priority_rule)
-    else:
-        loss, ex = bdq_td_loss(q, data["action"].long(), data["reward"], data["discount"], q_next_online,
-                               q_next_target, weights, huber_delta=cfg.huber_delta, priority=cfg.priority_rule)
+        q_next_target = target(data["next_macro"], data["next_micro"])
+    loss, ex = bdq_td_loss(q, data["action"].long(), data["reward"], data["discount"], q_next_online,
+                           q_next_target, weights, huber_delta=cfg.huber_delta, priority=cfg.priority_rule)
     if not torch.isfinite(loss):
         raise FloatingPointError(f"TD loss is {loss.item()} {where}: check rewards and lr")
     if pref_batch is not None:
@@ -185,33 +179,18 @@ def act_values(net: BDQNetwork, macro: np.ndarray, micro: np.ndarray, want_u: bo
 
 
 class Explorer:
-    """Per-branch epsilon-greedy over S shards, optionally temporally extended (ez-greedy),
-    optionally steered by the preference head (softmax over its utilities, not uniform).
-
-    With hold_mu = 0 each branch explores on its own with its shard's eps. With hold_mu > 1, a branch that starts
-    exploring (probability eps of its shard) draws a sub-action and keeps it for
-    n ~ Zipf(hold_mu) decisions (capped at max_hold), whatever the greedy choice is meanwhile
-    (Dabney, Ostrovski & Barreto, "Temporally-Extended epsilon-Greedy Exploration", 2021).
-    """
+    """Per-branch epsilon-greedy over S shards: each branch explores on its own with its
+    shard's eps, optionally steered by the preference head (softmax over its utilities, not
+    uniform)."""
 
     def __init__(self, num_shards: int, num_branches: int, eps: np.ndarray, rng: np.random.Generator,
-                 hold_mu: float = 0.0, max_hold: int = 12, softmax_temperature: float = 0.0) -> None:
+                 softmax_temperature: float = 0.0) -> None:
         self.eps = np.asarray(eps, dtype=np.float64)
         if self.eps.shape != (num_shards,):
             raise ValueError(f"epsilons must be one per shard ({num_shards}), got {self.eps.shape}")
         self.rng = rng
-        self.hold_mu, self.max_hold = float(hold_mu), int(max_hold)
         self.temperature = float(softmax_temperature)
-        self.left = np.zeros((num_shards, num_branches), dtype=np.int64)  # decisions still held
-        self.held = np.zeros((num_shards, num_branches), dtype=np.int64)
         self.utilities: Optional[np.ndarray] = None  # [S, D, n] of the last act, when computed
-
-    def reset(self, shards: np.ndarray | None = None) -> None:
-        """Forget held exploration (all shards, or a boolean mask of them)."""
-        if shards is None:
-            self.left[:] = 0
-        else:
-            self.left[shards] = 0
 
     def act(self, net: BDQNetwork, macro: np.ndarray, micro: np.ndarray,
             want_utilities: bool = False) -> tuple[np.ndarray, np.ndarray]:
@@ -226,15 +205,5 @@ class Explorer:
         self.utilities = u
         soft = u if self.temperature > 0 else None
         S, D, n = q.shape
-        if self.hold_mu <= 0:
-            explore = self.rng.random((S, D)) < self.eps[:, None]
-            return np.where(explore, _explore_choice(self.rng, (S, D), n, soft, self.temperature), q.argmax(-1))
-        holding = self.left > 0
-        start = ~holding & (self.rng.random((S, D)) < self.eps[:, None])
-        if start.any():
-            k = int(start.sum())
-            self.held[start] = _explore_choice(self.rng, (S, D), n, soft, self.temperature)[start]
-            self.left[start] = np.minimum(self.rng.zipf(self.hold_mu, size=k), self.max_hold)
-        explore = self.left > 0
-        self.left[explore] -= 1
-        return np.where(explore, self.held, q.argmax(-1))
+        explore = self.rng.random((S, D)) < self.eps[:, None]
+        return np.where(explore, _explore_choice(self.rng, (S, D), n, soft, self.temperature), q.argmax(-1))

@@ -199,26 +199,14 @@ def test_one_step_returns_cross_an_episode_end():
     assert len(w.finished_rewards) == 3 and w.env_steps == 12 * 3
 
 
-def test_slo_penalty_is_a_lagrange_multiplier_adapted_on_the_training_range(tmp_path):
-    """agent.slo_target_vs_hpa: a violation rate above target x HPA's (on the training range)
-    raises the penalty the rollout charges, one below lowers it, within the bounds; the
-    adapted value is what the rewards in replay carry, and a checkpoint keeps it."""
-    base = train.PRESETS["smoke"]
-    cfg = dataclasses.replace(base, agent=dataclasses.replace(base.agent, slo_penalty=50.0, slo_target_vs_hpa=0.5),
-                              constraint_shards=32, constraint_replicas=1)
-    tr = train.LocalTrainer(cfg)
-    for _ in range(60):
-        tr.train_tick()
-    row = tr.adapt_slo_penalty(1.0)
-    # An untrained network breaks SLOs far above half of HPA's rate: the step is clipped to +1.
-    assert row["train_violation"] > row["target"] > 0
-    assert row["slo_penalty"] == pytest.approx(50.0 * np.exp(0.3)) == tr.rollout.slo_penalty
-    # The rewards the rollout now produces carry the new penalty: same seed and actions,
-    # the difference per decision is exactly the extra penalty on the broken class-windows.
-    a, sim = cfg.agent, cfg.sim
-    w1 = RolloutWorker(sim, a, tr.learner.net, seed=3)
-    w2 = RolloutWorker(sim, a, tr.learner.net, seed=3)
-    w2.slo_penalty = 80.0
+def test_slo_penalty_charges_broken_class_windows_in_the_training_reward():
+    """agent.slo_penalty: the same seed and actions give the same transitions, except that
+    each broken class-window costs the penalty in the reward replay receives."""
+    cfg = train.PRESETS["smoke"]
+    sim = cfg.sim
+    net = Learner(cfg.net, cfg.agent).net
+    w1 = RolloutWorker(sim, dataclasses.replace(cfg.agent, slo_penalty=50.0), net, seed=3)
+    w2 = RolloutWorker(sim, dataclasses.replace(cfg.agent, slo_penalty=80.0), net, seed=3)
     broke = False
     for _ in range(40):  # smoke preset: 2 ticks per decision, SLO windows settle every few ticks
         t1, t2 = w1.step(), w2.step()
@@ -228,215 +216,16 @@ def test_slo_penalty_is_a_lagrange_multiplier_adapted_on_the_training_range(tmp_
             assert (t2.reward <= t1.reward + 1e-5).all()
             broke |= bool((t2.reward < t1.reward - 1e-3).any())
     assert broke
-    # Below target the penalty falls (67.5 x e^-1 = 24.8), but not below 0.9 x the initial 50.
-    tr.cfg = dataclasses.replace(cfg, agent=dataclasses.replace(cfg.agent, slo_target_vs_hpa=1e6,
-                                                                  slo_penalty_step=1.0, slo_penalty_bounds=(0.9, 2.0)))
-    row = tr.adapt_slo_penalty(2.0)
-    assert row["slo_penalty_before"] == pytest.approx(50.0 * np.exp(0.3))
-    assert row["slo_penalty"] == pytest.approx(45.0) and len(tr.constraint_log) == 2
-    ck = tmp_path / "ck.pt"
-    tr.checkpoint(ck)
-    again = train.LocalTrainer(cfg)
-    again.resume(ck)
-    assert again.rollout.slo_penalty == pytest.approx(45.0) and len(again.constraint_log) == 2
 
 
-def test_adaptive_slo_penalty_config_checks():
-    with pytest.raises(ConfigError, match="give it an initial value > 0"):
-        AgentConfig(slo_target_vs_hpa=1.0)
-    with pytest.raises(ConfigError, match="slo_target_vs_hpa must be > 0"):
-        AgentConfig(slo_penalty=10.0, slo_target_vs_hpa=0.0)
-    with pytest.raises(ConfigError, match="slo_penalty_bounds must be"):
-        AgentConfig(slo_penalty=10.0, slo_penalty_bounds=(2.0, 4.0))
-    with pytest.raises(ConfigError, match="constraint_every_s must be > 0"):
-        TrainConfig(constraint_every_s=0)
-    # The Ape-X path keeps a fixed penalty and says so before it starts anything.
-    cfg = dataclasses.replace(train.PRESETS["smoke"], agent=AgentConfig(
-        batch_size=32, replay_capacity=4_000, learning_starts=200, decision_ticks=2, slo_penalty=10.0,
-        slo_target_vs_hpa=0.9))
-    with pytest.raises(ConfigError, match="local trainer only: run with --local"):
-        train.run_distributed(cfg, None, None)
-
-
-def test_local_trainer_with_the_distributional_head_trains_and_checkpoints(tmp_path):
-    base = train.PRESETS["smoke"]
-    cfg = dataclasses.replace(base, net=dataclasses.replace(base.net, quantiles=4))
-    tr = train.LocalTrainer(cfg)
-    for _ in range(80):
-        tr.train_tick()
-    assert tr.learner.updates > 0 and np.isfinite(tr.last_loss)
-    ck = tmp_path / "q.pt"
-    tr.checkpoint(ck)
-    pol = load_policy(ck, cfg.sim)
-    assert pol.net.cfg.quantiles == 4
-    o = make_sim(cfg.sim).reset(seed=0)
-    q = pol.net(torch.from_numpy(o.macro), torch.from_numpy(o.micro))
-    assert q.shape == (cfg.sim.num_shards, cfg.net.num_branches, cfg.net.sub_actions)
-
-
-def _force_actions(net, choice):
-    """Make the greedy policy of `net` the constant `choice` (one sub-action per branch)."""
-    with torch.no_grad():
-        net.head.w2.zero_()
-        net.head.b2.zero_()
-        for d, a in enumerate(choice):
-            net.head.b2[d, a] = 10.0
-
-
-def test_policy_selection_keeps_the_best_validated_weights(tmp_path):
-    """Policy selection scores each check on the training range and ends the run with the
-    best: a cautious constant policy (top capacity tier, fastest servers) checked first
-    beats a reckless one (bottom tier, slowest servers) checked last, whatever the limit."""
-    base = train.PRESETS["smoke"]
-    cfg = dataclasses.replace(base, select_every_s=1e9, constraint_shards=16, constraint_replicas=1)
-    tr = train.LocalTrainer(cfg)
-    for _ in range(60):
-        tr.train_tick()
-    n = cfg.sim.sub_actions
-    _force_actions(tr.learner.net, (n - 1, n // 2, 0, n - 1))
-    cautious = {k: v.clone() for k, v in tr.learner.net.state_dict().items()}
-    first = tr.validate(1.0)
-    for _ in range(5):
-        tr.train_tick()  # more updates: a later check has another update count
-    _force_actions(tr.learner.net, (0, n // 2, 0, 0))
-    second = tr.validate(2.0)
-    assert second["slo_violation_rate"] > first["slo_violation_rate"]
-    assert not second["feasible"] and second["best_so_far"] == first["updates"] != second["updates"]
-    assert first["hpa_slo_violation_rate"] == second["hpa_slo_violation_rate"] > 0
-    row = tr.select_policy()
-    assert row is not None and row["updates"] == first["updates"]
-    for k, v in tr.learner.net.state_dict().items():
-        torch.testing.assert_close(v, cautious[k])
-        torch.testing.assert_close(tr.learner.target.state_dict()[k], cautious[k])
-    # Feasible checks are ranked by reward: a limit no policy meets makes both infeasible
-    # (lower violation wins, as above); one every policy meets makes the higher reward win.
-    tr2 = train.LocalTrainer(dataclasses.replace(cfg, select_violation_vs_hpa=1e6))
-    for _ in range(60):
-        tr2.train_tick()
-    states, rows = [], []
-    for t, choice in enumerate([(n - 1, n // 2, 0, n - 1), (0, n // 2, 0, 0), (2, n // 2, 0, n - 1)]):
-        _force_actions(tr2.learner.net, choice)
-        states.append({k: v.clone() for k, v in tr2.learner.net.state_dict().items()})
-        rows.append(tr2.validate(float(t)))
-        tr2.train_tick()  # the next check is at another update count
-        tr2.train_tick()
-    assert all(r["feasible"] for r in rows) and len({r["updates"] for r in rows}) == 3
-    best = max(range(3), key=lambda i: rows[i]["reward"])
-    assert tr2.select_policy()["updates"] == rows[best]["updates"]
-    for k, v in tr2.learner.net.state_dict().items():
-        torch.testing.assert_close(v, states[best][k])
-    # The log travels in the checkpoint.
-    ck = tmp_path / "sel.pt"
-    tr.checkpoint(ck)
-    assert len(load_checkpoint(ck)["counters"]["selection_log"]) == 2
-
-
-def test_policy_selection_in_a_run_and_config_checks(tmp_path):
-    base = train.PRESETS["smoke"]
-    cfg = dataclasses.replace(base, select_every_s=2.0, constraint_shards=8, constraint_replicas=1)
-    tr = train.LocalTrainer(cfg)
-    res = tr.run(progress=False, checkpoint=str(tmp_path / "ck.pt"))
-    log = res["selection_log"]
-    assert log and log[-1]["updates"] == res["updates"]  # the last weights are checked too
-    assert res["selected"]["updates"] in {r["updates"] for r in log}
-    saved = load_checkpoint(tmp_path / "ck.pt")["learner"]["net"]  # the checkpoint holds the selected weights
-    for k, v in tr.selector.best_state.items():
-        torch.testing.assert_close(saved[k], v)
-    with pytest.raises(ConfigError, match="select_every_s must be > 0"):
-        TrainConfig(select_every_s=0.0)
-    with pytest.raises(ConfigError, match="select_violation_vs_hpa must be > 0"):
-        TrainConfig(select_violation_vs_hpa=-1.0)
-
-
-def test_replay_warmup_acts_uniformly_until_the_first_update():
-    """agent.warmup_uniform: before the learner's first update every sub-action of every
-    branch is drawn at random (an untrained network's greedy choice is nearly constant);
-    from the first update on, the epsilon ladder over the network's choices."""
-    base = train.PRESETS["smoke"]
-    cfg = dataclasses.replace(base, agent=dataclasses.replace(base.agent, warmup_uniform=True))
-    tr = train.LocalTrainer(cfg)
-    n = cfg.sim.sub_actions
-    _force_actions(tr.learner.net, (0, 0, 0, 0))
-    seen = []
-    while tr.replay.size + cfg.sim.num_shards < cfg.agent.learning_starts:
-        tr.train_tick()
-        assert tr.learner.updates == 0 and tr.rollout.uniform
-    acts = tr.replay.storage["action"][:tr.replay.size].long()  # [M, D]
-    M = acts.shape[0]
-    for d in range(cfg.net.num_branches):
-        counts = torch.bincount(acts[:, d], minlength=n).double()
-        sd = (M * (1 / n) * (1 - 1 / n)) ** 0.5  # binomial spread of one count under uniform draws
-        assert ((counts - M / n).abs() < 5 * sd).all(), counts  # uniform, not the forced 0
-    while tr.learner.updates == 0:
-        tr.train_tick()
-    assert not tr.rollout.uniform
-    # Without the switch the first replay is the untrained network's (here: forced) choice.
-    plain = train.LocalTrainer(base)
-    _force_actions(plain.learner.net, (0, 0, 0, 0))
-    for _ in range(20):
-        plain.train_tick()
-    first = plain.replay.storage["action"][:plain.replay.size].long()
-    assert (first == 0).float().mean() > 0.5
-
-
-def test_slo_burn_penalty_charges_each_windows_capped_error_budget_burn_tick_by_tick():
-    """agent.slo_burn_penalty: a class-window costs mu x min(burn, cap), burn = its late (or
-    dropped) requests over the 1 % the SLO allows of an average window's requests, charged
-    as the burn grows and started afresh at every window's close and episode end. Replayed
-    against the simulator's own accounting (the late requests of a window are the ones that
-    decide whether it broke)."""
-    W = 4
-    sim = SimConfig(num_shards=4, episode_s=22.0, accounting_window_s=float(W), headroom_min=0.6, headroom_max=1.2)
-    mu, cap = 7.0, 0.5
-    agent = AgentConfig(n_step=1, decision_ticks=2, gamma=1.0, reward_scale=1.0, slo_burn_penalty=mu, slo_burn_cap=cap)
-    net = Learner(NetConfig.for_sim(sim), agent).net
-    _force_actions(net, (0, 0, 0, 0))  # too little capacity: late requests in most windows
-    w = RolloutWorker(sim, agent, net, seed=3)
-    got = [w.step() for _ in range(22)]  # two episodes of 11 decisions (the second reset mid-window)
-    trs = [t for t in got if t is not None]
-    ref = make_sim(sim.replace(seed=3))
-    ref.reset(seed=3)
-    unit = ref.inv_mean_n / (0.01 * W)
-    burn = np.zeros((4, ref.K))
-    charges, saturated = [], 0
-    for j, tr in enumerate(trs):
-        if j == 11:  # the episode ended after 11 decisions (22 ticks): a fresh one, burn from 0
-            ref.reset()
-            burn[:] = 0.0
-        expect = np.zeros(4)
-        for _ in range(2):
-            _, r, _, info = ref.step(tr.action.astype(np.int64))
-            before = np.minimum(burn, cap).sum(1)
-            burn += info["late_requests"] * unit
-            charge = np.minimum(burn, cap).sum(1) - before
-            charges.append(charge)
-            expect += r - mu * charge
-            if info["window_violated"] is not None:
-                # the window closed (its late requests decided whether it broke): burn from 0
-                saturated += int((burn >= cap).sum())
-                burn[:] = 0.0
-            else:  # the burn follows the simulator's own count of the open window's late requests
-                np.testing.assert_allclose(ref.win_late, burn / unit, rtol=1e-5, atol=1e-4)
-        np.testing.assert_allclose(tr.reward, expect, rtol=1e-5, atol=1e-4)
-    charges = np.array(charges)
-    assert (charges >= -1e-9).all() and charges.sum() > 0
-    assert saturated > 0  # some class-windows reach the cap and then cost no more
-    with pytest.raises(ConfigError, match="slo_burn_cap"):
-        AgentConfig(slo_burn_cap=0.0)
-    with pytest.raises(ConfigError, match="slo_burn_penalty"):
-        AgentConfig(slo_burn_penalty=-1.0)
-
-
-@pytest.mark.parametrize("quantiles", [0, 4])
-def test_initial_policy_default_starts_from_the_platforms_default_setting(quantiles):
+def test_initial_policy_default_starts_from_the_platforms_default_setting():
     """agent.initial_policy="default": the untrained network's greedy choice is the
     platform's default setting on any observation (the local learner and the Ape-X
     driver's version 0 alike), and the first updates still move the zeroed output layer."""
     from apex_bdq.sim.baselines import default_action
     from launch.distributed import initial_weights
     base = train.PRESETS["smoke"]
-    cfg = dataclasses.replace(base, net=dataclasses.replace(base.net, quantiles=quantiles),
-                              agent=dataclasses.replace(base.agent, initial_policy="default"))
+    cfg = dataclasses.replace(base, agent=dataclasses.replace(base.agent, initial_policy="default"))
     want = default_action(cfg.sim)
     assert want == (2,) * 4 + (4,) * 4 + (0,)  # v2: middle plan factor and HPA's 300-s hold per class, admit all
     tr = train.LocalTrainer(cfg)
@@ -462,22 +251,41 @@ def test_initial_policy_default_starts_from_the_platforms_default_setting(quanti
         tr.learner.net.head.start_from((0, 1, 2))
 
 
-def test_policy_selection_scores_on_the_validation_range_when_there_is_one():
+def test_overrides_of_nested_sections_name_the_problem():
     base = train.PRESETS["smoke"]
-    cfg = apply_overrides(base, ["sim.trace.validation_fraction=0.2", "select_every_s=5", "constraint_shards=8",
-                                 "constraint_replicas=1"])
-    tr = train.LocalTrainer(cfg)
-    row = tr.validate(1.0)
-    assert row["split"] == "val"
-    from apex_bdq.evaluation import evaluate_policy
-    from apex_bdq.sim.baselines import HPA
-    hpa_val = evaluate_policy(HPA(), cfg.sim, shards=8, replicas=1, split="val", ticks=cfg.constraint_ticks).metrics
-    assert row["hpa_reward"] == hpa_val["reward"]  # HPA on the validation range, not the training range
-    no_val = apply_overrides(base, ["sim.trace.validation_fraction=0"])
-    assert train.PolicySelector(no_val).split == "train" and train.PolicySelector(base).split == "val"
-    m, _ = tr.selector.train_range(tr.learner.net)  # the dual-ascent yardstick stays on the training range
-    assert m["reward"] != row["reward"]
+    assert apply_overrides(base, ["sim.trace.validation_fraction=0.2"]).sim.trace.validation_fraction == 0.2
     with pytest.raises(ConfigError, match=r"TraceConfig has no field 'nope'"):
         apply_overrides(base, ["sim.trace.nope=1"])
     with pytest.raises(ConfigError, match=r"use NAME or sim.NAME.*sim.trace.NAME"):
         apply_overrides(base, ["agent.trace.x=1"])
+
+
+def test_saved_configs_load_without_the_removed_experiments(tmp_path):
+    """A checkpoint saved before the experiments were removed (commit a1f8305) still loads
+    when they were off; one trained with an experiment on is refused, naming it."""
+    from apex_bdq.checkpoint import config_to_dict, save_checkpoint
+    from apex_bdq.config import train_config_from_dict
+    cfg = train.PRESETS["smoke"]
+    old = config_to_dict(cfg)  # the fields as a1f8305 saved them, at their defaults
+    old["net"]["quantiles"] = 0
+    old["agent"].update(slo_burn_penalty=0.0, slo_burn_cap=0.5, slo_target_vs_hpa=None, slo_penalty_step=0.3,
+                        slo_penalty_bounds=[0.25, 4.0], explore_hold_mu=0.0, explore_max_hold=12,
+                        warmup_uniform=False)
+    old.update(constraint_every_s=45.0, constraint_shards=32, constraint_replicas=2, constraint_ticks=3600,
+               select_every_s=None, select_violation_vs_hpa=1.0)
+    assert train_config_from_dict(old) == cfg
+    tr = train.LocalTrainer(cfg)
+    ck = tmp_path / "old.pt"
+    save_checkpoint(ck, old, tr.learner.state_dict(), {"decisions": 0, "env_steps": 0, "updates": 0, "history": []})
+    assert load_policy(ck, cfg.sim).net.cfg == cfg.net
+    for section, key, val in (("net", "quantiles", 16), ("agent", "warmup_uniform", True),
+                              ("agent", "slo_target_vs_hpa", 0.9), (None, "select_every_s", 60.0)):
+        bad = json.loads(json.dumps(old))
+        (bad[section] if section else bad)[key] = val
+        with pytest.raises(ConfigError, match=rf"{key}={val!r}, an experiment removed after commit a1f8305"):
+            train_config_from_dict(bad)
+    bad = json.loads(json.dumps(old))
+    bad["net"]["quantiles"] = 16
+    save_checkpoint(ck, bad, tr.learner.state_dict(), {"decisions": 0, "env_steps": 0, "updates": 0, "history": []})
+    with pytest.raises(CheckpointError, match="net.quantiles=16, an experiment removed"):
+        load_policy(ck, cfg.sim)

@@ -27,13 +27,10 @@ def _run(spec: ClusterSpec, tmp_path, minutes: float = 3.0, max_updates=40, cfg=
     return out
 
 
-@pytest.mark.parametrize("backend,quantiles", [("ddp", 0), ("deepspeed", 4), ("accelerate", 0)])
-def test_each_backend_trains_for_real(ray_local, tmp_path, backend, quantiles):
-    # The DeepSpeed case trains the distributional head (net.quantiles): the engine passes
-    # the quantiles flag through to the module.
-    cfg = dataclasses.replace(SMOKE, net=dataclasses.replace(SMOKE.net, quantiles=quantiles))
+@pytest.mark.parametrize("backend", ["ddp", "deepspeed", "accelerate"])
+def test_each_backend_trains_for_real(ray_local, tmp_path, backend):
     out = _run(ClusterSpec(num_actors=2, num_replay_shards=1, num_learners=1, backend=backend, actor_cpus=1,
-                           learner_cpus=1, publish_every=10), tmp_path, cfg=cfg)
+                           learner_cpus=1, publish_every=10), tmp_path)
     st = out["status"]
     lr = st["learner"]
     assert lr["updates"] == 40, lr
@@ -45,7 +42,7 @@ def test_each_backend_trains_for_real(ray_local, tmp_path, backend, quantiles):
     assert {a["actor"] for a in out["actor_stats"]} == {0, 1}
     ck = copy_checkpoint(out["result"], tmp_path / "final.pt")
     pol = load_policy(ck, SMOKE.sim)  # launch.evaluate --policy checkpoint:PATH reads it
-    assert pol.net is not None and pol.net.cfg.quantiles == quantiles
+    assert pol.net is not None and pol.net.cfg == SMOKE.net
 
 
 def test_two_worker_ddp_equals_one_learner_on_the_same_batches(ray_local, tmp_path):
@@ -199,33 +196,3 @@ def test_two_node_cluster_places_components_by_node_type(tmp_path):
     finally:
         ray.shutdown()
         cluster.shutdown()
-
-
-
-
-def test_policy_selection_on_the_apex_path_keeps_the_selected_published_weights(ray_local, tmp_path):
-    """`launch.train --set select_every_s=S` on Ray: the driver checks published weights on
-    the validation range, the end-of-run check covers the final version, and the checkpoint
-    (and the final evaluation) carry the selected version's weights: re-scoring the
-    checkpoint's policy on the same yardstick gives the selected row's figures exactly."""
-    import json
-    from launch.train import PolicySelector
-    out, ck = tmp_path / "run.json", tmp_path / "ck.pt"
-    rc = train.main(["--preset", "smoke", "--minutes", "0.6", "--num-actors", "1", "--publish-every", "5",
-                     "--set", "select_every_s=4", "--set", "constraint_shards=8", "--set", "constraint_replicas=1",
-                     "--storage-path", str(tmp_path / "ray_train"), "--checkpoint", str(ck), "--checkpoint-every", "3",
-                     "--json", str(out), "--quiet"])
-    assert rc == 0
-    res = json.loads(out.read_text())
-    log, sel = res["selection_log"], res["selected"]
-    assert len(log) >= 2, log  # periodic checks plus the end-of-run check
-    assert log[-1]["version"] == res["weight_version"]  # the final published weights were a candidate
-    assert sel in log
-    feasible = [r for r in log if r["feasible"]]
-    best = max(feasible, key=lambda r: r["reward"]) if feasible else min(log, key=lambda r: r["slo_violation_rate"])
-    assert (sel["reward"], sel["slo_violation_rate"]) == (best["reward"], best["slo_violation_rate"])
-    cfg = train.apply_overrides(train.PRESETS["smoke"], ["constraint_shards=8", "constraint_replicas=1",
-                                                         "select_every_s=4"])
-    m, _ = PolicySelector(cfg).metrics(load_policy(ck, cfg.sim).net, sel["split"])  # the validation days
-    assert m["reward"] == pytest.approx(sel["reward"], rel=1e-9)
-    assert m["slo_violation_rate"] == pytest.approx(sel["slo_violation_rate"], rel=1e-9)

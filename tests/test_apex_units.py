@@ -97,9 +97,9 @@ def test_rollout_actor_emits_typed_chunks_with_priorities():
 
 
 def test_config_overrides_parse_types_and_name_bad_keys():
-    cfg = apply_overrides(SMOKE, ["agent.lr=0.01", "sim.num_shards=3", "minutes=0.5", "agent.explore_hold_mu=2"])
+    cfg = apply_overrides(SMOKE, ["agent.lr=0.01", "sim.num_shards=3", "minutes=0.5", "agent.eps_base=0.2"])
     assert cfg.agent.lr == 0.01 and cfg.sim.num_shards == 3 and cfg.minutes == 0.5
-    assert cfg.agent.explore_hold_mu == 2.0
+    assert cfg.agent.eps_base == 0.2
     with pytest.raises(ConfigError, match="no field 'lrr'"):
         apply_overrides(SMOKE, ["agent.lrr=1"])
     with pytest.raises(ConfigError, match="not a valid int"):

@@ -166,8 +166,8 @@ def test_evaluation_replicas_cover_the_range_again_with_their_own_arrivals():
 
 
 def test_training_range_yardstick_with_even_phases():
-    """split="train" with even phases covers the training range once per copy (what the
-    trainer checks its SLO constraint on, leaving the held-out range unseen)."""
+    """split="train" with even phases covers the training range once per copy (a yardstick
+    that leaves the held-out range unseen)."""
     cfg = SimConfig(num_shards=4)
     tr = PlatformSim(cfg, split="train", phases="even")
     lo, hi = tr.rates.train
