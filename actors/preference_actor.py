@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from apex_bdq.config import NetConfig, PreferenceConfig
+from apex_bdq.messages import PreferenceStats
 from apex_bdq.preference import (FeedbackError, FeedbackLog, PreferenceBatch, PreferencePair, Segment,
                                  UnknownSegment, label_ceiling, oracle_label, random_pairs, replay_log,
                                  segment_summary)
@@ -295,11 +296,11 @@ class PreferenceActor:
         """Every accepted pair (training and held out), as its order-free key."""
         return [p.key() for p in self.pairs + self.heldout]
 
-    def stats(self) -> dict:
-        return {"pairs": len(self.pairs), "heldout_pairs": len(self.heldout), "oracle_ranked": self.oracle_ranked,
-                "unranked_segments": len(self.unranked), "ranked_segments": len(self.ranked),
-                "refused": self.refused, "duplicates": self.duplicates, "replayed_pairs": self.replayed_pairs,
-                "log_path": self.log.path, "pid": os.getpid()}
+    def stats(self) -> PreferenceStats:
+        return PreferenceStats(pairs=len(self.pairs), heldout_pairs=len(self.heldout), oracle_ranked=self.oracle_ranked,
+                               unranked_segments=len(self.unranked), ranked_segments=len(self.ranked),
+                               refused=self.refused, duplicates=self.duplicates, replayed_pairs=self.replayed_pairs,
+                               log_path=self.log.path, pid=os.getpid())
 
     def close(self) -> None:
         self.log.close()

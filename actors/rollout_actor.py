@@ -22,9 +22,9 @@ import numpy as np
 import torch
 
 from actors.rollout import RolloutWorker
-from apex_bdq.config import TrainConfig, train_config_from_dict
+from apex_bdq.config import ClusterConfig, TrainConfig, train_config_from_dict
 from apex_bdq.networks import BDQNetwork
-from replay_server.replay_actor import TransitionBatch
+from apex_bdq.messages import ActorStats, TransitionBatch, WeightPoll
 
 
 def _node_id() -> str:
@@ -42,7 +42,8 @@ def actor_epsilons(agent_cfg, actor_id: int, num_actors: int, shards_per_actor: 
 
 class RolloutActor:
     def __init__(self, actor_id: int, num_actors: int, cfg: TrainConfig | dict, replay_shards: list,
-                 weight_store=None, max_in_flight: int = 4, weight_pull_every: int = 20,
+                 weight_store=None, max_in_flight: int = ClusterConfig.max_in_flight,
+                 weight_pull_every: int = ClusterConfig.weight_pull_every,
                  chunk_transitions: int = 256, preference=None) -> None:
         """preference: the PreferenceActor handle of a run with pref.enabled; segments of a
         few shards go to it every T decisions (fire-and-forget, at most 4 batches in flight)."""
@@ -93,16 +94,15 @@ class RolloutActor:
             return False
         import ray
         try:  # one RPC: newer weights (if any) + stop flag
-            got = ray.get(self.store.poll.remote(self.version), timeout=60)
+            got: WeightPoll = ray.get(self.store.poll.remote(self.version), timeout=60)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             return False  # the store is restarting: act on with the weights we have
-        self._stop_flag = got["stop"]
-        if got["weights"] is None:
+        self._stop_flag = got.stop
+        if got.weights is None:
             return False
-        version, (ref,) = got["weights"]
         from learner.weight_store import load_numpy_state
-        load_numpy_state(self.net, ray.get(ref))
-        self._set_version(version)
+        load_numpy_state(self.net, ray.get(got.weights.ref[0]))
+        self._set_version(got.weights.version)
         return True
 
     def set_weights(self, state: dict, version: int) -> None:
@@ -189,7 +189,7 @@ class RolloutActor:
         self._pending, self._pending_n, self._pending_env = [], 0, 0
         return batch
 
-    def run(self, max_decisions: Optional[int] = None, max_seconds: Optional[float] = None) -> dict:
+    def run(self, max_decisions: Optional[int] = None, max_seconds: Optional[float] = None) -> ActorStats:
         """Act until stopped (`stop()`, or the weight store's stop flag), or the limits."""
         self._stop.clear()
         t0 = time.time()
@@ -229,16 +229,16 @@ class RolloutActor:
     def stop(self) -> None:
         self._stop.set()
 
-    def stats(self) -> dict:
+    def stats(self) -> ActorStats:
         el = max(time.time() - self.t_start, 1e-9)
-        return {"actor": self.actor_id, "env_steps": self.worker.env_steps, "decisions": self.decisions,
-                "transitions_sent": self.sent, "weight_version": self.version, "backpressure_wait_s": self.wait_s,
-                "segments_sent": self.segments_sent, "overload_ticks": self.worker.overload_ticks,
-                "chunks_lost": self.chunks_lost, "transitions_lost": self.transitions_lost,
-                "segments_lost": self.segments_lost,
-                "env_steps_per_s": self.worker.env_steps / el, "epsilon_min": float(self.eps.min()),
-                "epsilon_max": float(self.eps.max()), "episode_rewards": list(self.worker.finished_rewards[-16:]),
-                "pid": os.getpid(), "node_id": _node_id()}
+        return ActorStats(actor=self.actor_id, env_steps=self.worker.env_steps, decisions=self.decisions,
+                          transitions_sent=self.sent, weight_version=self.version, backpressure_wait_s=self.wait_s,
+                          segments_sent=self.segments_sent, overload_ticks=self.worker.overload_ticks,
+                          chunks_lost=self.chunks_lost, transitions_lost=self.transitions_lost,
+                          segments_lost=self.segments_lost, env_steps_per_s=self.worker.env_steps / el,
+                          epsilon_min=float(self.eps.min()), epsilon_max=float(self.eps.max()),
+                          episode_rewards=list(self.worker.finished_rewards[-16:]), pid=os.getpid(),
+                          node_id=_node_id())
 
 
 def remote_actor_class(num_cpus: float = 1.0, resources: Optional[dict] = None, max_restarts: int = 0):

@@ -538,6 +538,98 @@ class PreferenceConfig:
                f"pref.overload_utilisation must be in (0, 1], got {self.overload_utilisation!r}")
 
 
+def check_snapshot_settings(on_restart: str, every_s: float, directory: Optional[str]) -> None:
+    """The replay durability settings (ClusterConfig, and each replay shard's ShardConfig);
+    a ConfigError names the flag."""
+    _check(on_restart in ("snapshot", "empty"),
+           f"replay on-restart (--replay-on-restart) must be 'snapshot' or 'empty', got {on_restart!r}")
+    _check(every_s >= 0, f"replay snapshot interval (--replay-snapshot-every) must be >= 0, got {every_s}")
+    _check(every_s == 0 or bool(directory), "replay snapshots every few seconds (--replay-snapshot-every) need a "
+                                            "snapshot directory (--replay-snapshot-dir)")
+
+
+BACKENDS = ("ddp", "deepspeed", "accelerate")
+"""Learner-group backends under Ray Train (learner/backends.py)."""
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """How a distributed run is laid out on Ray: how many of each component, what each asks
+    the scheduler for, how they talk, and how they recover. `launch.train`'s distributed
+    flags set these (or `--set cluster.FIELD=VALUE`); a checkpoint records them."""
+
+    num_actors: int = 2
+    """Rollout actors."""
+    num_replay_shards: int = 1
+    num_learners: int = 1
+    """Ray Train workers in the learner group."""
+    backend: str = "ddp"
+    """ddp | deepspeed | accelerate."""
+    use_gpu: bool = False
+    """Learners (and replay storage, replay_gpus per shard) on GPUs."""
+    shards_per_actor: Optional[int] = None
+    """Simulated shards per rollout actor (None: sim.num_shards split between the actors)."""
+    actor_cpus: float = 1.0
+    learner_cpus: float = 1.0
+    """CPUs per learner worker (also its torch threads)."""
+    replay_cpus: float = 0.0
+    replay_gpus: float = 0.0
+    """Fractional GPU per replay shard when use_gpu (storage and sum tree on the device)."""
+    max_in_flight: int = 4
+    """Unacknowledged replay inserts per actor before it waits (back-pressure)."""
+    weight_pull_every: int = 10
+    """Rollout actors ask the weight store for newer weights every this many decisions."""
+    publish_every: int = 50
+    """The learner publishes its weights every this many updates."""
+    checkpoint_every_s: float = 60.0
+    """Seconds between learner checkpoints (each copied to checkpoint_path as it lands)."""
+    samples_per_insert: Optional[float] = None
+    """Rate limiter: transitions sampled per transition inserted (None: off, Ape-X style)."""
+    error_buffer: Optional[float] = None
+    """Rate-limiter slack in sampled transitions (None: 4096 x samples_per_insert)."""
+    use_placement_resources: bool = True
+    """Ask for `rollout` / `learner` resource units (cluster.yaml's node types)."""
+    max_restarts: int = 3
+    """Restarts of each rollout actor, replay shard and the weight store, and learner-group
+    failures Ray Train recovers from its last checkpoint (-1: no limit)."""
+    storage_path: Optional[str] = None
+    """Ray Train storage (checkpoints); None: a temp dir."""
+    checkpoint_path: Optional[str] = None
+    """Each new learner checkpoint is copied here as it lands (the file --resume reads)."""
+    replay_snapshot_dir: Optional[str] = None
+    """Replay shards snapshot their memory here (and a resume loads the snapshots)."""
+    replay_snapshot_every_s: float = 0.0
+    """Seconds between replay snapshots (0: none)."""
+    replay_on_restart: str = "snapshot"
+    """What a restarted replay shard comes back with: its last snapshot ("snapshot", else
+    empty) or "empty"."""
+
+    def __post_init__(self) -> None:
+        for k in ("num_actors", "num_replay_shards", "num_learners", "max_in_flight", "weight_pull_every",
+                  "publish_every"):
+            _check(getattr(self, k) >= 1, f"cluster.{k} (--{k.replace('_', '-')}) must be >= 1, got {getattr(self, k)}")
+        _check(self.backend in BACKENDS, f"unknown backend {self.backend!r}: choose from {', '.join(BACKENDS)}")
+        _check(self.shards_per_actor is None or self.shards_per_actor >= 1,
+               f"cluster.shards_per_actor (--shards-per-actor) must be >= 1, got {self.shards_per_actor}")
+        _check(self.max_restarts >= -1,
+               f"cluster.max_restarts (--max-restarts) must be >= -1 (-1: no limit), got {self.max_restarts}")
+        _check(self.samples_per_insert is None or self.samples_per_insert > 0,
+               f"cluster.samples_per_insert (--samples-per-insert) must be > 0, got {self.samples_per_insert}")
+        _check(self.checkpoint_every_s > 0,
+               f"cluster.checkpoint_every_s (--checkpoint-every) must be > 0, got {self.checkpoint_every_s}")
+        check_snapshot_settings(self.replay_on_restart, self.replay_snapshot_every_s, self.replay_snapshot_dir)
+
+    @property
+    def limiter_slack(self) -> float:
+        """The rate limiter's error buffer in sampled transitions."""
+        if self.error_buffer is not None:
+            return float(self.error_buffer)
+        return 4096.0 * (self.samples_per_insert or 0.0)
+
+    def replace(self, **kw) -> "ClusterConfig":
+        return dataclasses.replace(self, **kw)
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Everything one training run needs; a checkpoint stores it whole."""
@@ -547,6 +639,8 @@ class TrainConfig:
     """None: sized from `sim`."""
     agent: AgentConfig = field(default_factory=AgentConfig)
     pref: PreferenceConfig = field(default_factory=PreferenceConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """The distributed layout (ignored by `--local` runs)."""
     minutes: float = 9.0
     """Wall-clock budget for collection, learning and the periodic evaluations (the final
     evaluation comes after)."""
@@ -631,7 +725,8 @@ def train_config_from_dict(d: dict) -> TrainConfig:
     pref = dict(d.pop("pref", {}) or {})
     if "oracle_weights" in pref:
         pref["oracle_weights"] = tuple(pref["oracle_weights"])
-    return TrainConfig(sim=sim, net=net, agent=agent, pref=PreferenceConfig(**pref), **d)
+    cluster = ClusterConfig(**(d.pop("cluster", None) or {}))  # none in checkpoints before 2026-12-02
+    return TrainConfig(sim=sim, net=net, agent=agent, pref=PreferenceConfig(**pref), cluster=cluster, **d)
 
 
 def _parse_override(key: str, raw: str, hint: Any) -> Any:
@@ -667,8 +762,8 @@ def _parse_override(key: str, raw: str, hint: Any) -> Any:
 
 
 def apply_overrides(cfg: TrainConfig, items: list[str]) -> TrainConfig:
-    """Apply `section.key=value` overrides (sections: sim, agent, net, pref, sim.trace, or
-    none for the top level), parsing each value as the type of the field it replaces.
+    """Apply `section.key=value` overrides (sections: sim, agent, net, pref, cluster,
+    sim.trace, or none for the top level), parsing each value as the type of the field it replaces.
     Unknown keys and values that do not parse raise ConfigError naming them."""
     for item in items:
         if "=" not in item:
@@ -676,9 +771,9 @@ def apply_overrides(cfg: TrainConfig, items: list[str]) -> TrainConfig:
         key, raw = item.split("=", 1)
         parts = key.strip().split(".")
         sections, name = parts[:-1], parts[-1]
-        if sections not in ([], ["sim"], ["agent"], ["net"], ["pref"], ["sim", "trace"]):
+        if sections not in ([], ["sim"], ["agent"], ["net"], ["pref"], ["cluster"], ["sim", "trace"]):
             raise ConfigError(f"override key {key!r}: use NAME or sim.NAME, agent.NAME, net.NAME, pref.NAME, "
-                              "sim.trace.NAME")
+                              "cluster.NAME, sim.trace.NAME")
         chain = [cfg]  # the dataclasses from the top down to the one holding `name`
         for sec in sections:
             chain.append(getattr(chain[-1], sec))

@@ -361,9 +361,8 @@ class PolicyHolder:
                 return None
             if got is None:
                 return None
-            version, refs = got
-            state["baseline"] = version
-            return policy_from_state(self.cfg, ray.get(refs[0], timeout=60), version, "weight-store")
+            state["baseline"] = got.version
+            return policy_from_state(self.cfg, ray.get(got.ref[0], timeout=60), got.version, "weight-store")
         self._start(poll, every_s)
 
     def stop(self) -> None:

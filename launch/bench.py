@@ -334,7 +334,8 @@ def _route_ms(batch: int, repeats: int = 50) -> dict:
     import ray
 
     from replay_server.replay import PrioritizedReplay
-    from replay_server.replay_actor import ShardConfig, TransitionBatch, remote_shard_class
+    from apex_bdq.messages import TransitionBatch
+    from replay_server.replay_actor import ShardConfig, remote_shard_class
     fields = _replay_fields()
     sc = ShardConfig(capacity=100_000, fields=fields)
     shard = remote_shard_class(num_cpus=0).remote(0, sc)
@@ -351,7 +352,7 @@ def _route_ms(batch: int, repeats: int = 50) -> dict:
 
     def rpc_step():
         out = ray.get(shard.sample.remote(batch))
-        ray.get(shard.update_priorities.remote(out["indices"], out["generations"], out["weights"]))
+        ray.get(shard.update_priorities.remote(out.update(out.weights)))
 
     res = {}
     for name, fn in (("shared_memory_ms", local_step), ("object_store_ms", rpc_step)):
@@ -375,7 +376,8 @@ def bench_apex(actor_counts: list[int], seconds: float, shards_per_actor: int, r
     RLlib's env runners sampling the same env at the same CPU count."""
     import ray
 
-    from launch.distributed import ApexRun, ClusterSpec, local_ray_init
+    from apex_bdq.config import ClusterConfig
+    from launch.distributed import ApexRun, local_ray_init
     from launch.train import PRESETS
     cfg = PRESETS["default"]
     cfg = dataclasses.replace(cfg, eval_every_s=1e9,
@@ -384,12 +386,12 @@ def bench_apex(actor_counts: list[int], seconds: float, shards_per_actor: int, r
     res: dict = {"machine": f"{platform.machine()}, {cpus} CPUs", "seconds_per_point": seconds,
                  "shards_per_actor": shards_per_actor, "env_steps_per_s": {}, "transitions_per_s": {},
                  "learner_updates_per_s": {}, "learner_wait_share_by_actors": {}}
-    spec0 = ClusterSpec(num_actors=max(actor_counts), num_learners=1)
+    spec0 = ClusterConfig(num_actors=max(actor_counts), num_learners=1)
     local_ray_init(spec0, None, include_dashboard=False, log_to_driver=False)
     try:
         res["route"] = _route_ms(512)
         for m in actor_counts:
-            spec = ClusterSpec(num_actors=m, num_replay_shards=1, num_learners=1, shards_per_actor=shards_per_actor,
+            spec = ClusterConfig(num_actors=m, num_replay_shards=1, num_learners=1, shards_per_actor=shards_per_actor,
                                actor_cpus=min(1.0, cpus / (m + 1)), learner_cpus=1, checkpoint_every_s=1e9)
             run = ApexRun(cfg, spec)
             marks = []
@@ -421,7 +423,7 @@ def bench_apex(actor_counts: list[int], seconds: float, shards_per_actor: int, r
         default_split = max(1, cfg.sim.num_shards // m)
         per_tick = {}
         for spa in dict.fromkeys((shards_per_actor, default_split)):
-            spec = ClusterSpec(num_actors=m, num_replay_shards=1, num_learners=1, shards_per_actor=spa,
+            spec = ClusterConfig(num_actors=m, num_replay_shards=1, num_learners=1, shards_per_actor=spa,
                                actor_cpus=min(1.0, cpus / (m + 1)), learner_cpus=1, checkpoint_every_s=1e9)
             marks_pt: list = []
             run = ApexRun(pt, spec)
@@ -649,8 +651,9 @@ def main(argv: list[str] | None = None) -> int:
     elif a.what == "route":
         import ray
 
-        from launch.distributed import ClusterSpec, local_ray_init
-        local_ray_init(ClusterSpec(), None, include_dashboard=False, log_to_driver=False)
+        from apex_bdq.config import ClusterConfig
+        from launch.distributed import local_ray_init
+        local_ray_init(ClusterConfig(), None, include_dashboard=False, log_to_driver=False)
         try:
             res = _route_ms(a.batch, repeats=200)
         finally:

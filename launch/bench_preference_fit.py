@@ -84,7 +84,7 @@ def bench_preference_fit(log: str, checkpoint: Optional[str] = None, steps: int 
     curve = []
     for s in range(1, steps + 1):
         idx = rng.integers(0, len(fit), size=batch_pairs)
-        learner.update(None, None, PreferenceBatch.from_pairs([fit[i] for i in idx], segs))
+        learner.step(None, PreferenceBatch.from_pairs([fit[i] for i in idx], segs))
         if s in at:
             curve.append({"step": s, "heldout_accuracy": acc(held_given), "heldout_accuracy_noise_free": acc(held_rule),
                           "random_accuracy_noise_free": acc(rand)})

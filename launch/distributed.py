@@ -23,62 +23,18 @@ import shutil
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
 from apex_bdq.checkpoint import CheckpointError, load_checkpoint
-from apex_bdq.config import ConfigError, TrainConfig
-from learner.backends import BACKENDS
+from apex_bdq.config import ClusterConfig, TrainConfig
+from apex_bdq.messages import ActorStats, StoreStatus
 
 ROLLOUT_RESOURCE = "rollout"
 LEARNER_RESOURCE = "learner"
 
 
-@dataclass
-class ClusterSpec:
-    """How many of each component and what each asks the scheduler for."""
-
-    num_actors: int = 2
-    num_replay_shards: int = 1
-    num_learners: int = 1
-    backend: str = "ddp"
-    use_gpu: bool = False
-    shards_per_actor: Optional[int] = None  # None: the preset's sim.num_shards split between the actors
-    actor_cpus: float = 1.0
-    learner_cpus: float = 1.0
-    replay_cpus: float = 0.0
-    replay_gpus: float = 0.0  # fractional GPU per replay shard when use_gpu (storage on the device)
-    max_in_flight: int = 4
-    weight_pull_every: int = 10
-    publish_every: int = 50
-    checkpoint_every_s: float = 60.0
-    samples_per_insert: Optional[float] = None
-    error_buffer: float = 0.0
-    use_placement_resources: bool = True  # ask for rollout / learner units (cluster.yaml node types)
-    max_restarts: int = 0  # per actor / shard / store, and Ray Train worker-group failures (-1: no limit)
-    storage_path: Optional[str] = None
-    checkpoint_path: Optional[str] = None  # each new learner checkpoint is copied here as it lands
-    replay_snapshot_dir: Optional[str] = None  # replay shards snapshot here (and a resume loads them)
-    replay_snapshot_every_s: float = 0.0
-    replay_on_restart: str = "snapshot"  # a restarted shard: "snapshot" (if one exists) or "empty"
-
-    def __post_init__(self) -> None:
-        for k in ("num_actors", "num_replay_shards", "num_learners", "max_in_flight", "weight_pull_every",
-                  "publish_every"):
-            if getattr(self, k) < 1:
-                raise ConfigError(f"{k.replace('_', '-')} must be >= 1, got {getattr(self, k)}")
-        if self.backend not in BACKENDS:
-            raise ConfigError(f"unknown backend {self.backend!r}: choose from {', '.join(BACKENDS)}")
-        if self.shards_per_actor is not None and self.shards_per_actor < 1:
-            raise ConfigError(f"shards-per-actor must be >= 1, got {self.shards_per_actor}")
-        if self.max_restarts < -1:
-            raise ConfigError(f"max-restarts must be >= -1 (-1: no limit), got {self.max_restarts}")
-        from replay_server.replay_actor import check_snapshot_settings
-        check_snapshot_settings(self.replay_on_restart, self.replay_snapshot_every_s, self.replay_snapshot_dir)
-
-
-def local_ray_init(spec: ClusterSpec, address: Optional[str] = None, **kwargs) -> None:
+def local_ray_init(spec: ClusterConfig, address: Optional[str] = None, **kwargs) -> None:
     """Connect to `address`, or start a local cluster big enough (logical CPUs) for the
     components on this machine, declaring the placement resources on its one node."""
     import ray
@@ -98,9 +54,12 @@ def local_ray_init(spec: ClusterSpec, address: Optional[str] = None, **kwargs) -
 class ApexRun:
     """One distributed training run; `run()` blocks until the budget is spent."""
 
-    def __init__(self, cfg: TrainConfig, spec: ClusterSpec, resume: Optional[dict] = None,
+    def __init__(self, cfg: TrainConfig, spec: Optional[ClusterConfig] = None, resume: Optional[dict] = None,
                  heldout_every: int = 0) -> None:
-        self.cfg, self.spec, self.resume = cfg, spec, resume
+        """spec: the cluster layout (default: cfg.cluster); the run's config records it, so
+        its checkpoints say which cluster trained them."""
+        spec = cfg.cluster if spec is None else spec
+        self.cfg, self.spec, self.resume = dataclasses.replace(cfg, cluster=spec), spec, resume
         self.heldout_every = heldout_every
         self.history: list[dict] = []
         self.t_offset = 0.0
@@ -151,7 +110,7 @@ class ApexRun:
         snap = os.path.abspath(s.replay_snapshot_dir) if s.replay_snapshot_dir else None
         self.shard_cfg = ShardConfig(capacity=per_shard, alpha=a.alpha, beta0=a.beta0, beta_steps=a.beta_steps,
                                      min_size=max(a.batch_size, a.learning_starts // s.num_replay_shards),
-                                     samples_per_insert=s.samples_per_insert, error_buffer=s.error_buffer,
+                                     samples_per_insert=s.samples_per_insert, error_buffer=s.limiter_slack,
                                      device=device, seed=self.cfg.seed, fields=transition_fields(self.cfg.net),
                                      snapshot_dir=snap, snapshot_every_s=s.replay_snapshot_every_s,
                                      on_restart=s.replay_on_restart,
@@ -211,7 +170,8 @@ class ApexRun:
         from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
         from ray.train.torch import TorchTrainer
         from apex_bdq.checkpoint import config_to_dict
-        from learner.train_loop import train_loop_per_worker
+        from apex_bdq.messages import LearnerLoopConfig
+        from learner.train_loop import LOOP_KEY, train_loop_per_worker
         s = self.spec
         env = {"DS_ACCELERATOR": "cpu"} if not s.use_gpu else {}
         if os.environ.get("TORCH_EXTENSIONS_DIR"):
@@ -219,12 +179,12 @@ class ApexRun:
         per_worker = {"CPU": s.learner_cpus, **self._placement("learner")}
         storage = s.storage_path or os.path.join(tempfile.gettempdir(), "apex_bdq_train")
         self.storage, self.run_name = storage, f"apex_bdq_{int(time.time())}"
-        config = {"cfg": config_to_dict(self.cfg), "backend": s.backend, "shards": self.shards, "specs": self.specs,
-                  "shard_cfg": self.shard_cfg, "store": self.store, "minutes": minutes, "max_updates": max_updates,
-                  "publish_every": s.publish_every, "checkpoint_every_s": s.checkpoint_every_s, "use_gpu": s.use_gpu,
-                  "resume": self.resume, "torch_threads": max(1, int(s.learner_cpus)),
-                  "preference": self.pref}
-        return TorchTrainer(train_loop_per_worker, train_loop_config=config,
+        loop = LearnerLoopConfig(cfg=config_to_dict(self.cfg), backend=s.backend, shards=self.shards, specs=self.specs,
+                                 shard_cfg=self.shard_cfg, store=self.store, preference=self.pref, minutes=minutes,
+                                 max_updates=max_updates, publish_every=s.publish_every,
+                                 checkpoint_every_s=s.checkpoint_every_s, use_gpu=s.use_gpu, resume=self.resume,
+                                 torch_threads=max(1, int(s.learner_cpus)))
+        return TorchTrainer(train_loop_per_worker, train_loop_config={LOOP_KEY: loop},
                             scaling_config=ScalingConfig(num_workers=s.num_learners, use_gpu=s.use_gpu,
                                                          resources_per_worker=per_worker),
                             run_config=RunConfig(name=self.run_name, storage_path=storage,
@@ -243,50 +203,52 @@ class ApexRun:
                                   [sh.stats.remote() for sh in self.shards] + [a.stats.remote() for a in self.actors],
                                   timeout_s=5.0)
         shards_all, actors_all = rest[:len(self.shards)], rest[len(self.shards):]
-        st = st or {"version": -1, "learner": {}, "learner_restarts": 0, "updates_lost": 0, "unavailable": True}
+        st = st or StoreStatus(unavailable=True)
         for j, x in enumerate(shards_all):  # a shard answering from a new process was restarted
             if x is not None:
-                if self._shard_pids.get(j) not in (None, x["pid"]):
+                if self._shard_pids.get(j) not in (None, x.pid):
                     self.recoveries["replay"] += 1
-                self._shard_pids[j] = x["pid"]
+                self._shard_pids[j] = x.pid
         if pref is not None:
-            if self._pref_pid not in (None, pref.get("pid")):
+            if self._pref_pid not in (None, pref.pid):
                 self.recoveries["preference"] += 1
-            self._pref_pid = pref.get("pid")
+            self._pref_pid = pref.pid
         for x in actors_all:
             if x is None:
                 continue
-            i = x["actor"]
+            i = x.actor
             seen = self._actor_seen.get(i)
-            if seen is not None and seen[0] != x["pid"]:  # a new incarnation: keep what the old one did
+            if seen is not None and seen[0] != x.pid:  # a new incarnation: keep what the old one did
                 off = self._actor_offset.get(i, (0, 0))
                 self._actor_offset[i] = (off[0] + seen[1], off[1] + seen[2])
-            self._actor_seen[i] = (x["pid"], x["env_steps"], x["overload_ticks"])
+            self._actor_seen[i] = (x.pid, x.env_steps, x.overload_ticks)
             off = self._actor_offset.get(i, (0, 0))
-            x["env_steps"] += off[0]
-            x["overload_ticks"] += off[1]
+            x.env_steps += off[0]
+            x.overload_ticks += off[1]
         shards = [x for x in shards_all if x is not None]
         actors = [x for x in actors_all if x is not None]
-        self.recoveries["learner"] = int(st.get("learner_restarts", 0))
-        versions = [x["weight_version"] for x in actors]
+        self.recoveries["learner"] = int(st.learner_restarts)
+        versions = [x.weight_version for x in actors]
         # Staleness of the acting weights in learner updates: the learner's newest update
         # (published or not) minus the oldest version an actor acts with.
-        newest = max(st["version"], int((st["learner"] or {}).get("updates", -1)))
-        lag = max(0, newest - min(versions)) if versions and st["version"] >= 0 else 0
+        newest = max(st.version, st.learner.updates if st.learner is not None else -1)
+        lag = max(0, newest - min(versions)) if versions and st.version >= 0 else 0
         self.store.record_driver_metrics.remote(lag, len(actors))
         # Env steps: live actors plus the last figure seen of any not answering right now.
-        env = sum(x["env_steps"] for x in actors) + sum(
+        env = sum(x.env_steps for x in actors) + sum(
             self._actor_seen[i][1] + self._actor_offset.get(i, (0, 0))[0] for i in self._actor_seen
-            if i not in {x["actor"] for x in actors})
-        return {"version": st["version"], "learner": st["learner"], "weight_lag": lag, "preference": pref,
-                "replay_size": sum(x["size"] for x in shards), "inserted": sum(x["inserted"] for x in shards),
-                "sampled": sum(x["sampled"] for x in shards), "env_steps": self.env_steps_base + env,
-                "actors": actors, "shards": shards, "recoveries": dict(self.recoveries),
-                "updates_lost": int(st.get("updates_lost", 0)),
+            if i not in {x.actor for x in actors})
+        # The driver's view, as plain values (progress lines, the result JSON).
+        return {"version": st.version, "learner": st.learner.as_dict() if st.learner is not None else {},
+                "weight_lag": lag, "preference": pref.as_dict() if pref is not None else None,
+                "replay_size": sum(x.size for x in shards), "inserted": sum(x.inserted for x in shards),
+                "sampled": sum(x.sampled for x in shards), "env_steps": self.env_steps_base + env,
+                "actors": [x.as_dict() for x in actors], "shards": [x.as_dict() for x in shards],
+                "recoveries": dict(self.recoveries), "updates_lost": int(st.updates_lost),
                 "unavailable": {"actors": [i for i, x in enumerate(actors_all) if x is None],
                                 "shards": [j for j, x in enumerate(shards_all) if x is None],
                                 "preference": self.pref is not None and pref is None,
-                                "weight_store": bool(st.get("unavailable"))}}
+                                "weight_store": st.unavailable}}
 
     def _supervise(self) -> None:
         """Give a restarted rollout actor its loop back (Ray restarts the process, not the
@@ -356,8 +318,8 @@ class ApexRun:
         got = ray.get(self.store.get_if_newer.remote(-1))
         net = BDQNetwork(self.cfg.net)
         if got is not None:
-            load_numpy_state(net, ray.get(got[1][0]))
-        return net, (got[0] if got else -1)
+            load_numpy_state(net, ray.get(got.ref[0]))
+        return net, (got.version if got else -1)
 
     # -- the run -----------------------------------------------------------------------------
     def run(self, minutes: Optional[float] = None, max_updates: Optional[int] = None,
@@ -429,9 +391,9 @@ class ApexRun:
             if ref is None:
                 continue
             try:
-                actor_stats.append(ray.get(ref, timeout=120))
+                actor_stats.append(ray.get(ref, timeout=120).as_dict())
             except ray.exceptions.RayError as e:
-                actor_stats.append({"actor": i, "error": repr(e)})
+                actor_stats.append(ActorStats(actor=i, error=repr(e)).as_dict())
         if failure is not None:
             raise failure
         if "error" in box:

@@ -106,16 +106,17 @@ def check_ipc() -> dict:
 
 def check_learner() -> dict:
     from launch.train import PRESETS
+    from apex_bdq.messages import SampledBatch
     from learner.learner import Learner
     cfg = PRESETS["default"]
     out = {}
     for b in (256, 512):
         ln = Learner(cfg.net, cfg.agent, device="cuda")
-        data = _chunk(_fields(), b, "cuda")
-        w = torch.ones(b, device="cuda")
+        batch = SampledBatch(indices=None, generations=None, weights=torch.ones(b, device="cuda"),
+                             **_chunk(_fields(), b, "cuda"))
         for _ in range(10):
-            ln.update(data, w)
-        t = _timed(lambda: ln.update(data, w), 200)
+            ln.step(batch)
+        t = _timed(lambda: ln.step(batch), 200)
         out[f"learner_updates_per_s_b{b}"] = 1.0 / statistics.median(t)
     net = ln.net.eval()
     for n in (1, 256):
@@ -130,9 +131,10 @@ def check_learner() -> dict:
 def check_ray_ddp(tmp: str) -> dict:
     import dataclasses
 
-    from launch.distributed import ApexRun, ClusterSpec, local_ray_init
+    from apex_bdq.config import ClusterConfig
+    from launch.distributed import ApexRun, local_ray_init
     from launch.train import PRESETS
-    spec = ClusterSpec(num_actors=2, num_replay_shards=1, num_learners=1, use_gpu=True, replay_gpus=0.25,
+    spec = ClusterConfig(num_actors=2, num_replay_shards=1, num_learners=1, use_gpu=True, replay_gpus=0.25,
                        storage_path=tmp, checkpoint_every_s=1e9)
     local_ray_init(spec, None, include_dashboard=False, log_to_driver=False, num_gpus=1)
     cfg = dataclasses.replace(PRESETS["smoke"], minutes=0.3)

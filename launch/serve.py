@@ -173,7 +173,7 @@ class DecisionService:
                 if time.time() > deadline:
                     raise RuntimeError(f"the run's weight store had no weights after {opts.initial_wait_s:.0f} s")
                 time.sleep(0.5)
-            policy = S.policy_from_state(net_cfg, ray.get(got[1][0]), got[0], "weight-store")
+            policy = S.policy_from_state(net_cfg, ray.get(got.ref[0]), got.version, "weight-store")
             self.holder = S.PolicyHolder(policy)
             self.holder.follow(store, opts.reload_s,
                                lookup=lambda: ray.get_actor(WEIGHT_STORE_NAME, namespace=NAMESPACE))

@@ -122,10 +122,10 @@ class Soak:
             elif target == "replay":
                 x = ray.get(r.shards[index].stats.remote(), timeout=10)
             elif target == "preference":
-                return ray.get(r.pref.stats.remote(), timeout=10)["pid"], None
+                return ray.get(r.pref.stats.remote(), timeout=10).pid, None
             else:
-                x = ray.get(r.store.status.remote(), timeout=10)["learner"]
-            return x.get("pid"), x.get("node_id")
+                x = ray.get(r.store.status.remote(), timeout=10).learner
+            return (x.pid, x.node_id) if x is not None else (None, None)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             return None, None
 
@@ -138,18 +138,18 @@ class Soak:
             return False
         try:
             if target == "rollout":
-                return ray.get(r.actors[index].stats.remote(), timeout=10)["transitions_sent"] > 0
+                return ray.get(r.actors[index].stats.remote(), timeout=10).transitions_sent > 0
             if target == "replay":  # inserts land in the new process (which came back from its snapshot, if any)
                 x = ray.get(r.shards[index].stats.remote(), timeout=10)
-                first = before.setdefault("first_inserted", x["inserted"])
-                before["restored_size"] = x["restored_size"]
-                return x["inserted"] > first
+                first = before.setdefault("first_inserted", x.inserted)
+                before["restored_size"] = x.restored_size
+                return x.inserted > first
             if target == "preference":  # it replayed its log: every pair accepted so far is there
                 keys = set(map(tuple, ray.get(r.pref.pair_keys.remote(), timeout=30)))
                 return before["accepted"] <= keys
-            lr = ray.get(r.store.status.remote(), timeout=10)["learner"]  # the new group trains
-            return lr.get("start_id") != before.get("start_id") and \
-                lr.get("updates", 0) > (lr.get("restored_from_updates") or 0)
+            lr = ray.get(r.store.status.remote(), timeout=10).learner  # the new group trains
+            return lr is not None and lr.start_id != before.get("start_id") and \
+                lr.updates > (lr.restored_from_updates or 0)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             return False
 
@@ -185,8 +185,10 @@ class Soak:
             if target == "preference":
                 before["accepted"] = set(self.accepted)
             if target == "learner":
-                before["start_id"] = ray.get(r.store.status.remote())["learner"].get("start_id")
-            upd0 = ray.get(r.store.status.remote(), timeout=10)["learner"].get("updates", 0)
+                lr = ray.get(r.store.status.remote()).learner
+                before["start_id"] = lr.start_id if lr is not None else None
+            lr = ray.get(r.store.status.remote(), timeout=10).learner
+            upd0 = lr.updates if lr is not None else 0
             t_kill = time.time()
             if target == "rollout":
                 ray.kill(r.actors[index], no_restart=False)
@@ -204,8 +206,8 @@ class Soak:
                     if "restored_size" in before:
                         k["restored_size"] = before["restored_size"]
                     if target != "learner":  # did the learner go on meanwhile?
-                        lr = ray.get(r.store.status.remote(), timeout=10)["learner"]
-                        k["learner_updates_during"] = int(lr.get("updates", 0)) - int(upd0)
+                        lr = ray.get(r.store.status.remote(), timeout=10).learner
+                        k["learner_updates_during"] = (lr.updates if lr is not None else 0) - int(upd0)
                     break
                 time.sleep(0.5)
             print(f"[soak {time.time() - self.t0:6.0f} s] killed {target} {index} (pid {pid}): "
@@ -256,10 +258,11 @@ class Soak:
     # -- the run ------------------------------------------------------------------------------
     def execute(self) -> dict:
         import ray
-        from launch.distributed import ApexRun, ClusterSpec, local_ray_init
+        from apex_bdq.config import ClusterConfig
+        from launch.distributed import ApexRun, local_ray_init
         o = self.o
         cfg = soak_config(o)
-        spec = ClusterSpec(num_actors=o.num_actors, num_replay_shards=o.num_replay_shards, num_learners=1,
+        spec = ClusterConfig(num_actors=o.num_actors, num_replay_shards=o.num_replay_shards, num_learners=1,
                            max_restarts=100, checkpoint_every_s=o.checkpoint_every_s,
                            storage_path=os.path.join(o.workdir, "ray_train"),
                            checkpoint_path=os.path.join(o.workdir, "checkpoint.pt"),

@@ -25,9 +25,10 @@ from typing import Optional
 import torch
 
 from apex_bdq.checkpoint import (CheckpointError, GreedyPolicy, config_to_dict, load_checkpoint, save_checkpoint)
-from apex_bdq.config import (AgentConfig, ConfigError, NetConfig, SimConfig, TraceConfig, TrainConfig,
-                             apply_overrides, train_config_from_dict)
+from apex_bdq.config import (BACKENDS, AgentConfig, ClusterConfig, ConfigError, NetConfig, SimConfig, TraceConfig,
+                             TrainConfig, apply_overrides, train_config_from_dict)
 from apex_bdq.evaluation import evaluate_policy
+from apex_bdq.messages import SampledBatch
 from apex_bdq.sim.baselines import HPA
 from apex_bdq.sim.trace import TraceError
 from launch._io import save_figure, write_json
@@ -174,9 +175,9 @@ class LocalTrainer:
             if self.pref is not None and not self.pref_active and self.learner.updates >= self.cfg.pref.warmup_updates:
                 self.rollout.set_preference_active(True)
                 self.pref_active = True
-            out = self.learner.update(s.data, s.weights, pb)
-            self.replay.update_priorities(s.indices, s.generations, out["priorities"])
-            self.last_loss = out["loss"]
+            out = self.learner.step(SampledBatch.from_replay(s), pb)
+            self.replay.update_priorities(s.indices, s.generations, out.priorities)
+            self.last_loss = out.loss
             self.rollout.weights_changed()
 
     def evaluate(self, ticks: Optional[int], shards: int, replicas: int = 1) -> dict:
@@ -243,7 +244,7 @@ class LocalTrainer:
         if self.pref is None:
             return None
         ev = self.pref.eval_pair_accuracy(self.learner.net)
-        return {**self.pref.stats(), "heldout_pair_accuracy": self.pref.heldout_accuracy(self.learner.net),
+        return {**self.pref.stats().as_dict(), "heldout_pair_accuracy": self.pref.heldout_accuracy(self.learner.net),
                 "heldout_pair_accuracy_noise_free": self.pref.heldout_accuracy(self.learner.net, noise_free=True),
                 "heldout_label_ceiling": self.pref.heldout_label_ceiling(),
                 "eval_pair_accuracy": ev["accuracy"], "eval_pair_accuracy_noise_free": ev["accuracy_noise_free"],
@@ -381,7 +382,18 @@ def config_file_args(argv: list[str]) -> list[str]:
     return args + rest
 
 
+# launch.train's distributed flags and the ClusterConfig fields they set (unset: the config's).
+CLUSTER_FLAGS = (("num_actors", "num_actors"), ("num_replay_shards", "num_replay_shards"),
+                 ("num_learners", "num_learners"), ("backend", "backend"), ("shards_per_actor", "shards_per_actor"),
+                 ("samples_per_insert", "samples_per_insert"), ("error_buffer", "error_buffer"),
+                 ("max_restarts", "max_restarts"), ("checkpoint_every", "checkpoint_every_s"),
+                 ("replay_snapshot_dir", "replay_snapshot_dir"), ("replay_snapshot_every", "replay_snapshot_every_s"),
+                 ("replay_on_restart", "replay_on_restart"), ("publish_every", "publish_every"),
+                 ("weight_pull_every", "weight_pull_every"))
+
+
 def main(argv: Optional[list[str]] = None) -> int:
+    CL = ClusterConfig()  # the defaults the help texts show
     ap = argparse.ArgumentParser(prog="python -m launch.train", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--local", action="store_true", help="train in this process without Ray (debugging)")
@@ -404,32 +416,33 @@ def main(argv: Optional[list[str]] = None) -> int:
     g = ap.add_argument_group("distributed (Ray) options")
     g.add_argument("--address", help="an existing Ray cluster ('auto' inside `ray job submit`); default: start a "
                                      "local one")
-    g.add_argument("--num-actors", type=int, default=2, help="rollout actors")
+    g.add_argument("--num-actors", type=int, help=f"rollout actors (default: {CL.num_actors})")
     g.add_argument("--shards-per-actor", type=int, help="simulated shards per actor (default: the preset's "
                                                         "sim.num_shards split between the actors)")
-    g.add_argument("--num-replay-shards", type=int, default=1)
-    g.add_argument("--num-learners", type=int, default=1, help="Ray Train workers")
-    g.add_argument("--backend", default="ddp", choices=("ddp", "deepspeed", "accelerate"))
+    g.add_argument("--num-replay-shards", type=int, help=f"replay shard actors (default: {CL.num_replay_shards})")
+    g.add_argument("--num-learners", type=int, help=f"Ray Train workers (default: {CL.num_learners})")
+    g.add_argument("--backend", choices=BACKENDS, help=f"learner-group backend (default: {CL.backend})")
     g.add_argument("--use-gpu", action="store_true", help="learners (and replay storage) on GPUs")
     g.add_argument("--samples-per-insert", type=float,
                    help="rate limiter: transitions sampled per transition inserted (default: off, Ape-X style)")
-    g.add_argument("--publish-every", type=int, default=50,
-                   help="the learner publishes its weights every this many updates")
-    g.add_argument("--weight-pull-every", type=int, default=10,
-                   help="rollout actors ask for newer weights every this many decisions")
+    g.add_argument("--publish-every", type=int,
+                   help=f"the learner publishes its weights every this many updates (default: {CL.publish_every})")
+    g.add_argument("--weight-pull-every", type=int,
+                   help=f"rollout actors ask for newer weights every this many decisions (default: {CL.weight_pull_every})")
     g.add_argument("--error-buffer", type=float,
                    help="rate limiter slack in sampled transitions (default: 4096 x samples-per-insert)")
-    g.add_argument("--max-restarts", type=int, default=3,
+    g.add_argument("--max-restarts", type=int,
                    help="restarts of each rollout actor, replay shard and the weight store, and learner-group "
-                        "failures Ray Train recovers from its last checkpoint (-1: no limit)")
+                        f"failures Ray Train recovers from its last checkpoint (-1: no limit; default: {CL.max_restarts})")
     g.add_argument("--replay-snapshot-dir", help="replay shards snapshot their memory here; a --resume run loads "
                                                  "the snapshots found there")
-    g.add_argument("--replay-snapshot-every", type=float, default=0.0, metavar="S",
+    g.add_argument("--replay-snapshot-every", type=float, metavar="S",
                    help="seconds between replay snapshots (default: 0, none)")
-    g.add_argument("--replay-on-restart", choices=("snapshot", "empty"), default="snapshot",
+    g.add_argument("--replay-on-restart", choices=("snapshot", "empty"),
                    help="what a restarted replay shard comes back with (default: its last snapshot, else empty)")
-    g.add_argument("--checkpoint-every", type=float, default=60.0, metavar="S",
-                   help="seconds between learner checkpoints (each copied to --checkpoint as it lands)")
+    g.add_argument("--checkpoint-every", type=float, metavar="S",
+                   help=f"seconds between learner checkpoints (each copied to --checkpoint as it lands; default: "
+                        f"{CL.checkpoint_every_s:g})")
     g.add_argument("--storage-path", help="Ray Train storage (checkpoints); default: a temp dir")
     g.add_argument("--no-dashboard", action="store_true",
                    help="start the local cluster without the Ray dashboard (saves ~1 s and ~100 MB; Ray Train's "
@@ -472,19 +485,16 @@ def main(argv: Optional[list[str]] = None) -> int:
             if a.resume:
                 trainer.resume(a.resume)
         else:
-            from launch.distributed import ClusterSpec
-            spec = ClusterSpec(num_actors=a.num_actors, num_replay_shards=a.num_replay_shards,
-                               num_learners=a.num_learners, backend=a.backend, use_gpu=a.use_gpu,
-                               shards_per_actor=a.shards_per_actor, samples_per_insert=a.samples_per_insert,
-                               error_buffer=(a.error_buffer if a.error_buffer is not None else
-                                             4096 * (a.samples_per_insert or 0.0)),
-                               replay_gpus=0.25 if a.use_gpu else 0.0, max_restarts=a.max_restarts,
-                               storage_path=os.path.abspath(a.storage_path) if a.storage_path else None,
-                               checkpoint_path=os.path.abspath(a.checkpoint) if a.checkpoint else None,
-                               checkpoint_every_s=a.checkpoint_every, replay_snapshot_dir=a.replay_snapshot_dir,
-                               replay_snapshot_every_s=a.replay_snapshot_every,
-                               replay_on_restart=a.replay_on_restart, publish_every=a.publish_every,
-                               weight_pull_every=a.weight_pull_every)
+            # The flags given set the config tree's cluster section (the preset's, or the
+            # resumed run's, or --set cluster.NAME=VALUE); the run's checkpoints record it.
+            given = {field: getattr(a, attr) for attr, field in CLUSTER_FLAGS if getattr(a, attr) is not None}
+            if a.use_gpu:
+                given.update(use_gpu=True, replay_gpus=0.25)
+            for attr, field in (("storage_path", "storage_path"), ("checkpoint", "checkpoint_path")):
+                if getattr(a, attr):
+                    given[field] = os.path.abspath(getattr(a, attr))
+            spec = cfg.cluster.replace(**given)
+            cfg = dataclasses.replace(cfg, cluster=spec)
     except (ConfigError, TraceError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -37,7 +37,7 @@ from apex_bdq.config import ConfigError, TraceConfig, TrainConfig, apply_overrid
 from launch._io import write_json
 
 METRIC = "eval_reward"
-CLUSTER_KEYS = ("num_actors", "backend", "num_learners")  # ClusterSpec fields, not TrainConfig fields
+CLUSTER_KEYS = ("num_actors", "backend", "num_learners")  # ClusterConfig fields, not TrainConfig fields
 
 # What the sweep varies unless told otherwise: the Ape-X knobs that matter most (learning
 # rate, n-step, priority exponent, the epsilon ladder's base), how many rollout actors feed
@@ -180,7 +180,8 @@ def run_trial(config: dict) -> None:
     import torch
     from ray import tune
 
-    from launch.distributed import ApexRun, ClusterSpec, copy_checkpoint
+    from apex_bdq.config import ClusterConfig
+    from launch.distributed import ApexRun, copy_checkpoint
     from launch.train import evaluate_against_hpa
     torch.set_num_threads(1)  # the trial shares its cores with the actors and the learner
     fixed = config["fixed"]
@@ -189,7 +190,7 @@ def run_trial(config: dict) -> None:
     ctx = tune.get_context()
     trial_dir = Path(ctx.get_trial_dir() or tempfile.mkdtemp(prefix="apex_bdq_trial_"))
     work = Path(tempfile.mkdtemp(prefix=f"apex_bdq_tune_{ctx.get_trial_id()}_"))
-    spec = ClusterSpec(num_actors=cl["num_actors"], num_learners=cl["num_learners"], backend=cl["backend"],
+    spec = ClusterConfig(num_actors=cl["num_actors"], num_learners=cl["num_learners"], backend=cl["backend"],
                        num_replay_shards=fixed["num_replay_shards"], actor_cpus=fixed["actor_cpus"],
                        learner_cpus=fixed["learner_cpus"], storage_path=str(work / "ray_train"))
     run = ApexRun(cfg, spec)
@@ -200,7 +201,7 @@ def run_trial(config: dict) -> None:
     def evaluate(net, ticks):
         # Not before the learner's first update (the initial weights would tell ASHA nothing
         # about the trial's settings), nor past the reports ASHA's max_t leaves room for.
-        if reported[0] >= periodic_max or ray.get(run.store.status.remote())["version"] <= 0:
+        if reported[0] >= periodic_max or ray.get(run.store.status.remote()).version <= 0:
             return {"eval_reward": float("nan"), "hpa_eval_reward": float("nan"), "slo_violation_rate": float("nan"),
                     "hpa_slo_violation_rate": float("nan"), "skipped": True}
         return evaluate_against_hpa(net, cfg, ticks, cfg.eval_shards, hpa_cache)

@@ -1,4 +1,4 @@
-"""Distributed training backends for the learner group: DDP, DeepSpeed ZeRO-2, HF Accelerate.
+"""Training backends of the learner: plain (one process), DDP, DeepSpeed ZeRO-2, HF Accelerate.
 
 Each wraps the same BDQ network and presents one interface to the training loop:
 `forward(macro, micro)` (the wrapped model, gradients synchronised by the backend),
@@ -19,10 +19,9 @@ import os
 
 import torch
 
-from apex_bdq.config import AgentConfig
+from apex_bdq.config import BACKENDS, AgentConfig
 from apex_bdq.networks import BDQNetwork
 
-BACKENDS = ("ddp", "deepspeed", "accelerate")
 
 
 class _Backend:
@@ -44,19 +43,14 @@ class _Backend:
         self.opt.load_state_dict(state)
 
 
-class DDPBackend(_Backend):
-    name = "ddp"
+class PlainBackend(_Backend):
+    """One process: Adam, gradient clipping, step (the one-process trainer's backend)."""
+
+    name = "plain"
 
     def __init__(self, net, cfg, device) -> None:
         super().__init__(net, cfg, device)
-        import torch.distributed as dist
-        net = net.to(device)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            from torch.nn.parallel import DistributedDataParallel as DDP
-            self.model = DDP(net, device_ids=[device.index] if device.type == "cuda" else None)
-        else:
-            self.model = net
-        self.module = net
+        self.model = self.module = net.to(device)
         self.opt = torch.optim.Adam(net.parameters(), lr=cfg.lr)
 
     def step(self, loss: torch.Tensor) -> float:
@@ -65,6 +59,20 @@ class DDPBackend(_Backend):
         gn = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.grad_clip)
         self.opt.step()
         return float(gn)
+
+
+class DDPBackend(PlainBackend):
+    """PyTorch DistributedDataParallel over the worker group's process group (plain when
+    the group has one worker: nothing to synchronise)."""
+
+    name = "ddp"
+
+    def __init__(self, net, cfg, device) -> None:
+        super().__init__(net, cfg, device)
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            self.model = DDP(self.module, device_ids=[device.index] if device.type == "cuda" else None)
 
 
 class AccelerateBackend(_Backend):
@@ -133,10 +141,12 @@ class DeepSpeedBackend(_Backend):
 def make_backend(name: str, net: BDQNetwork, cfg: AgentConfig, device: torch.device | str,
                  micro_batch: int = 1) -> _Backend:
     dev = torch.device(device)
+    if name == "plain":
+        return PlainBackend(net, cfg, dev)
     if name == "ddp":
         return DDPBackend(net, cfg, dev)
     if name == "accelerate":
         return AccelerateBackend(net, cfg, dev)
     if name == "deepspeed":
         return DeepSpeedBackend(net, cfg, dev, micro_batch=micro_batch)
-    raise ValueError(f"unknown backend {name!r}: choose from {', '.join(BACKENDS)}")
+    raise ValueError(f"unknown backend {name!r}: choose from plain, {', '.join(BACKENDS)}")

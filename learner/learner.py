@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 import torch
 
 from apex_bdq.config import AgentConfig
+from apex_bdq.messages import SampledBatch
 from apex_bdq.losses import bdq_td_loss, preference_loss, segment_scores
 from apex_bdq.networks import BDQNetwork, NetConfig
 
@@ -101,58 +103,97 @@ def apply_initial_policy(net: BDQNetwork, agent_cfg: AgentConfig, sim_cfg=None) 
     return net
 
 
+@dataclass
+class StepResult:
+    """What one learner step gives back: new priorities [B] for the sampled slots (None on
+    a preference-only step) and the step's figures."""
+
+    priorities: Optional[torch.Tensor]
+    loss: float
+    grad_norm: float
+    q_mean: float = float("nan")
+    pref_loss: float = float("nan")
+    pref_accuracy: float = float("nan")
+
+
 class Learner:
+    """The learner step, the same on both paths: BDQ TD loss on a SampledBatch (plus
+    pref_beta x Bradley-Terry on a PreferenceBatch), one optimiser step through the backend
+    (`learner.backends`: plain in one process; DDP / DeepSpeed / Accelerate inside a Ray
+    Train worker), the target network refreshed every `target_update` steps.
+
+    The network is built here, seeded with `seed` and started from agent.initial_policy, so
+    that the one-process trainer, every Ray Train rank and the Ape-X driver's version 0 hold
+    the same initial weights."""
+
     def __init__(self, net_cfg: NetConfig, agent_cfg: AgentConfig, device: str | torch.device = "cpu",
-                 seed: int = 0, pref_beta: float = 0.0, sim_cfg=None) -> None:
+                 seed: int = 0, pref_beta: float = 0.0, sim_cfg=None, backend: str = "plain",
+                 micro_batch: int = 1, keep_pref_head: bool = False, net_state: Optional[dict] = None) -> None:
+        """keep_pref_head: run the preference head on every step even without a
+        PreferenceBatch (at weight 0), for wrappers that need every parameter in every
+        step's graph (DDP, ZeRO) when preferences are on. net_state: weights to start from
+        (a resume), loaded before the backend wraps the network."""
+        from learner.backends import make_backend
         torch.manual_seed(seed)
-        self.device = torch.device(device)
         self.cfg = agent_cfg
         self.pref_beta = pref_beta
-        self.net = apply_initial_policy(BDQNetwork(net_cfg), agent_cfg, sim_cfg).to(self.device)
+        self.keep_pref_head = keep_pref_head and pref_beta > 0
+        net = apply_initial_policy(BDQNetwork(net_cfg), agent_cfg, sim_cfg)
+        if net_state is not None:
+            net.load_state_dict(net_state)
+        self.backend = make_backend(backend, net, agent_cfg, torch.device(device), micro_batch=micro_batch)
+        self.net = self.backend.module  # the bare network: acting, checkpoints, publishing
+        self.device = self.backend.device
         self.target = copy.deepcopy(self.net).requires_grad_(False)
-        self.opt = torch.optim.Adam(self.net.parameters(), lr=agent_cfg.lr)
         self.updates = 0
         self.version = 0  # bumped whenever the weights change; stamped on what they produce
 
-    def update(self, data: Optional[dict], weights: Optional[torch.Tensor], pref_batch=None) -> dict:
+    def step(self, batch: Optional[SampledBatch], pref_batch=None, where: str = "") -> StepResult:
         """One gradient step on a sampled batch (TD) and/or a PreferenceBatch (weighted by
-        pref_beta; alone when data is None); returns metrics and new priorities [B]."""
-        c = self.cfg
-        out = {}
-        ex = None
+        pref_beta; alone when batch is None)."""
         pb = pref_batch if self.pref_beta > 0 else None
-        if data is not None:
-            loss, ex = batch_td_loss(self.net, self.net, self.target, data, weights.to(self.device), c,
-                                     f"at update {self.updates}", pref_batch=pb, pref_beta=self.pref_beta)
+        at = f"{where} at update {self.updates}".strip()
+        res = {}
+        priorities = None
+        if batch is not None:
+            b = batch.to_device(self.device)
+            loss, ex = batch_td_loss(self.backend.forward, self.net, self.target, b.fields(), b.weights, self.cfg,
+                                     at, pref_batch=pb, pref_beta=self.pref_beta,
+                                     keep_pref_head=self.keep_pref_head)
+            priorities = ex["priorities"].detach()
+            res["q_mean"] = float(ex["q_mean"])
             if pb is not None:
-                out.update(pref_loss=float(ex["pref_loss"]), pref_accuracy=float(ex["accuracy"]))
+                res.update(pref_loss=float(ex["pref_loss"]), pref_accuracy=float(ex["accuracy"]))
         elif pb is not None:
             pl, pex = batch_preference_loss(self.net.utilities, pb, self.device)
             loss = self.pref_beta * pl
-            out.update(pref_loss=float(pl.detach()), pref_accuracy=float(pex["accuracy"]))
+            res.update(pref_loss=float(pl.detach()), pref_accuracy=float(pex["accuracy"]))
         else:
-            raise ValueError("update needs a replay batch, a preference batch, or both")
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.net.parameters(), c.grad_clip)
-        self.opt.step()
+            raise ValueError("a learner step needs a replay batch, a preference batch, or both")
+        grad_norm = self.backend.step(loss)
         self.updates += 1
         self.version += 1
-        if self.updates % c.target_update == 0:
+        if self.updates % self.cfg.target_update == 0:
             self.target.load_state_dict(self.net.state_dict())
-        if ex is not None:
-            out.update(q_mean=float(ex["q_mean"]), priorities=ex["priorities"])
-        return {"loss": float(loss.detach()), "grad_norm": float(grad_norm), **out}
+        return StepResult(priorities=priorities, loss=float(loss.detach()), grad_norm=grad_norm, **res)
 
-    def state_dict(self) -> dict:
-        return {"net": self.net.state_dict(), "target": self.target.state_dict(), "opt": self.opt.state_dict(),
+    def state_dict(self, with_optimizer: bool = True) -> dict:
+        return {"net": self.net.state_dict(), "target": self.target.state_dict(),
+                "opt": self.backend.optimizer_state() if with_optimizer else {},
                 "updates": self.updates, "version": self.version}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, strict_optimizer: bool = True) -> None:
+        """strict_optimizer=False: an optimiser state of another backend's layout (or none)
+        starts the optimiser afresh instead of failing."""
         self.net.load_state_dict(state["net"])
         self.target.load_state_dict(state["target"])
-        self.opt.load_state_dict(state["opt"])
-        self.updates, self.version = state["updates"], state["version"]
+        try:
+            self.backend.load_optimizer_state(state["opt"])
+        except (ValueError, KeyError, RuntimeError):
+            if strict_optimizer:
+                raise
+        self.updates = int(state.get("updates", 0))
+        self.version = int(state.get("version", self.updates))
 
 
 def _explore_choice(rng: np.random.Generator, shape: tuple, n: int, utilities: Optional[np.ndarray],

@@ -18,7 +18,7 @@ through Ray Train (the same file format as `launch.train --local`, so
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import os
 import queue
 import shutil
@@ -31,9 +31,9 @@ import torch
 
 from apex_bdq.checkpoint import config_to_dict, save_checkpoint
 from apex_bdq.config import train_config_from_dict
-from apex_bdq.networks import BDQNetwork
+from apex_bdq.messages import LearnerLoopConfig, LearnerReport, PriorityUpdate, SampledBatch
 from apex_bdq.ray_util import answers
-from learner.learner import apply_initial_policy, batch_td_loss
+from learner.learner import Learner, StepResult
 from replay_server.rate_limiter import RateLimiter
 from replay_server.replay import PrioritizedReplay
 
@@ -114,13 +114,12 @@ class LocalShardSource:
                 continue
             rb = self.replays[j]
             if self.limiter.can_sample(rb.size, rb.writes, rb.sampled, b):
-                s = rb.sample(b)
-                return j, s.indices, s.generations, s.weights, s.data
+                return SampledBatch.from_replay(rb.sample(b), shard=j)
         return None
 
-    def update(self, j: int, indices, generations, priorities) -> None:
+    def update(self, u: PriorityUpdate) -> None:
         # A batch sampled before its shard was re-attached updates the old memory: harmless.
-        self.replays[j].update_priorities(indices, generations, priorities)
+        self.replays[u.shard].update_priorities(u.indices, u.generations, u.priorities)
 
     def sizes(self) -> list[int]:
         return [rb.size if rb is not None else 0 for rb in self.replays]
@@ -143,17 +142,15 @@ class RemoteShardSource:
             out = ray.get(self.shards[j].sample.remote(b, 0.05), timeout=30)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             return None  # a dead or restarting shard: the next call tries the next one
-        if out is None:
-            return None
-        return (j, torch.from_numpy(out["indices"]), torch.from_numpy(out["generations"]),
-                torch.from_numpy(out["weights"]), {k: torch.from_numpy(v) for k, v in out["data"].items()})
+        return out  # a SampledBatch of numpy arrays, or None (the shard's limiter said no)
 
-    def update(self, j: int, indices, generations, priorities) -> None:
-        self.shards[j].update_priorities.remote(indices.numpy(), generations.numpy(), priorities.cpu().numpy())
+    def update(self, u: PriorityUpdate) -> None:
+        host = u.priorities.cpu().numpy() if hasattr(u.priorities, "cpu") else u.priorities
+        self.shards[u.shard].update_priorities.remote(dataclasses.replace(u, priorities=host))
 
     def sizes(self) -> list[int]:
         import ray
-        return [s["size"] for s in ray.get([sh.stats.remote() for sh in self.shards])]
+        return [s.size for s in ray.get([sh.stats.remote() for sh in self.shards])]
 
 
 class Prefetcher:
@@ -180,13 +177,10 @@ class Prefetcher:
                     time.sleep(0.005)
                     continue
                 self.sample_ms = (time.perf_counter() - ts) * 1e3
-                j, idx, gen, w, data = got
-                if self.device.type == "cuda":
-                    data = {k: v.to(self.device, non_blocking=True) for k, v in data.items()}
-                    w = w.to(self.device, non_blocking=True)
+                item = got.to_device(self.device)
                 while not self.stop.is_set():
                     try:
-                        self.q.put((j, idx, gen, w, data), timeout=0.1)
+                        self.q.put(item, timeout=0.1)
                         break
                     except queue.Full:
                         continue
@@ -209,6 +203,9 @@ class Prefetcher:
                     if self.delivered:
                         self.wait_s += time.perf_counter() - t0
                     return None
+
+    def update(self, u: PriorityUpdate) -> None:
+        self.source.update(u)
 
     def close(self) -> None:
         self.stop.set()
@@ -247,222 +244,253 @@ def _agree(rank: int, stop: bool, checkpoint: bool, have_batch: bool, world: int
     return bool(flag[0] > 0), bool(flag[1] > 0), bool(flag[2] == 0)
 
 
-def train_loop_per_worker(config: dict) -> None:
-    """Ray Train entry point. config keys: cfg (TrainConfig as dict), backend, shards (handles),
-    specs (their SharedSpecs), shard_cfg, store (WeightStore handle), minutes, max_updates,
-    publish_every, checkpoint_every_s, use_gpu, resume (state dict or None),
-    fixed_batches (tests: a list of global batches used instead of replay),
-    params_out (tests: rank 0 saves the final parameters here)."""
-    import ray
-    import ray.train
-    from learner.backends import make_backend
-    from learner.weight_store import state_to_numpy
+class FixedBatches:
+    """A recorded list of group batches (SampledBatch) instead of replay: each rank trains on
+    its rows of batch i at step i, and the run ends after the list (offline replays of a
+    recorded stream; the local-vs-Ray equivalence test)."""
 
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    cfg = train_config_from_dict(config["cfg"])
-    a = cfg.agent
-    torch.set_num_threads(max(1, int(config.get("torch_threads", 1))))
-    device = torch.device("cuda", torch.cuda.current_device()) if config.get("use_gpu") and torch.cuda.is_available() \
-        else torch.device("cpu")
-    torch.manual_seed(cfg.seed)  # same initial weights on every rank
-    net = apply_initial_policy(BDQNetwork(cfg.net), cfg.agent, cfg.sim)
-    resume = config.get("resume")
-    base_updates = int(resume["learner"].get("updates", 0)) if resume else 0  # max_updates counts from here
-    # A restarted worker group (Ray Train's FailureConfig) starts from the last checkpoint it
-    # reported; the updates since then are the steps lost to the failure.
-    restored_from = None
-    got = ray.train.get_checkpoint()
-    if got is not None:
-        from apex_bdq.checkpoint import load_checkpoint
-        with got.as_directory() as d:
-            resume = load_checkpoint(os.path.join(d, CHECKPOINT_NAME))
-        restored_from = int(resume["learner"].get("updates", 0))
-    if resume:
-        net.load_state_dict(resume["learner"]["net"])
-    per_worker = max(1, a.batch_size // world)
-    backend = make_backend(config.get("backend", "ddp"), net, a, device, micro_batch=per_worker)
-    target = copy.deepcopy(backend.module).requires_grad_(False)
-    updates, version = 0, 0
-    if resume:
-        target.load_state_dict(resume["learner"]["target"])
-        try:
-            backend.load_optimizer_state(resume["learner"]["opt"])
-        except (ValueError, KeyError, RuntimeError):
-            pass  # another backend's optimiser layout: start the optimiser afresh
-        updates = int(resume["learner"].get("updates", 0))
-        version = int(resume["learner"].get("version", updates))
-    store = config.get("store")
-    if store is not None and restored_from is not None:  # versions only go forward for readers
-        try:
-            version = max(version, int(ray.get(store.get_version.remote(), timeout=60)))
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            pass
-    start_id = f"{os.getpid()}-{time.time_ns()}"
-    fixed = config.get("fixed_batches")
-    pre = None
     route = "fixed"
-    if fixed is None:
-        source, mine = make_source(config["shards"], config["specs"], ray.get_runtime_context().get_node_id(),
-                                   ctx.get_local_rank(), ctx.get_local_world_size(), config["shard_cfg"], cfg.seed)
-        route = source.route
-        pre = Prefetcher(source, per_worker, device, depth=int(config.get("prefetch", 2)))
-    # Preference batches (pref.enabled): fetched one ahead from the preference actor; a step
-    # uses the newest one that has arrived (none before pref.min_pairs exist).
-    pref_actor = config.get("preference")
-    use_pref = pref_actor is not None and cfg.pref.beta > 0
-    pref_batch, pref_next = None, None
-    # The time budget runs from the first group's start; a restarted group stops when the
-    # first one would have (the weight store keeps the deadline).
-    deadline = time.time() + float(config.get("minutes", cfg.minutes)) * 60.0
-    if store is not None:
-        try:
-            deadline = float(ray.get(store.deadline.remote(deadline), timeout=60))
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            pass
-    max_updates = config.get("max_updates")
-    publish_every = int(config.get("publish_every", 50))
-    report_every = max(1, publish_every // 5)
-    ckpt_every = float(config.get("checkpoint_every_s", 60.0))
-    t0 = time.perf_counter()
-    last_ckpt = t0
-    compute_s = 0.0
-    last = {"loss": float("nan"), "q_mean": float("nan"), "pref_loss": float("nan"), "pref_accuracy": float("nan")}
-    step_i = 0
 
-    publishes = [0]
+    def __init__(self, batches: list, rank: int, per_worker: int) -> None:
+        self.batches, self.i = batches, 0
+        self.lo, self.hi = rank * per_worker, (rank + 1) * per_worker
 
-    def publish() -> None:
-        if store is not None and rank == 0:
-            state = state_to_numpy(backend.module)
-            store.put.remote(version, state)
-            if pref_actor is not None and publishes[0] % 10 == 0:  # its ensemble picks the queries
-                pref_actor.set_weights.remote(state, version)
-            publishes[0] += 1
+    def exhausted(self) -> bool:
+        return self.i >= len(self.batches)
 
-    m_last = [0, 0]
+    def next(self, timeout_s: float) -> Optional[SampledBatch]:
+        if self.exhausted():
+            return None
+        b = self.batches[self.i].rows(self.lo, self.hi)
+        self.i += 1
+        return b
 
-    def record_metrics() -> None:
-        from apex_bdq import metrics as M
-        el = time.perf_counter() - t0
-        M.record(M.LEARNER_UPDATES, updates - m_last[0], "learner", rank)
-        M.record(M.TRANSITIONS_SAMPLED, (step_i - m_last[1]) * per_worker, "learner", rank)
-        M.record(M.LEARNER_UPDATES_PER_S, step_i / max(el, 1e-9), "learner", rank)
-        M.record(M.TD_LOSS, last["loss"], "learner", rank)
-        M.record(M.MEAN_Q, last["q_mean"], "learner", rank)
-        if use_pref and last["pref_loss"] == last["pref_loss"]:
-            M.record(M.PREF_LOSS, last["pref_loss"], "learner", rank)
-            M.record(M.PREF_ACCURACY, last["pref_accuracy"], "learner", rank)
-        if pre is not None and pre.sample_ms == pre.sample_ms:
-            M.record(M.SAMPLE_LATENCY_MS, pre.sample_ms, "learner", rank)
-        m_last[:] = [updates, step_i]
+    def update(self, u: PriorityUpdate) -> None:
+        pass  # nothing samples these again
 
-    def current_metrics(final: bool) -> dict:
-        el = time.perf_counter() - t0
+    def close(self) -> None:
+        pass
+
+
+class LearnerWorker:
+    """One Ray Train worker of the learner group: the shared `Learner.step` between a batch
+    source and the weight store. Rank 0 publishes, reports and checkpoints; every rank
+    steps in lock step with the others (`_agree`)."""
+
+    def __init__(self, lc: LearnerLoopConfig) -> None:
+        import ray
+        import ray.train
+        ctx = ray.train.get_context()
+        self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
+        self.lc = lc
+        self.cfg = cfg = train_config_from_dict(lc.cfg)
+        torch.set_num_threads(max(1, int(lc.torch_threads)))
+        device = torch.device("cuda", torch.cuda.current_device()) if lc.use_gpu and torch.cuda.is_available() \
+            else torch.device("cpu")
+        self.per_worker = max(1, cfg.agent.batch_size // self.world)
+        self.pref_actor = lc.preference
+        self.use_pref = self.pref_actor is not None and cfg.pref.beta > 0
+        # Resume: the driver's checkpoint, or (a worker group restarted by Ray Train's
+        # FailureConfig) the last checkpoint this group reported; the updates since that one
+        # are the steps lost to the failure. max_updates counts from the driver's resume point.
+        resume, self.restored_from = lc.resume, None
+        self.base_updates = int(resume["learner"].get("updates", 0)) if resume else 0
+        got = ray.train.get_checkpoint()
+        if got is not None:
+            from apex_bdq.checkpoint import load_checkpoint
+            with got.as_directory() as d:
+                resume = load_checkpoint(os.path.join(d, CHECKPOINT_NAME))
+            self.restored_from = int(resume["learner"].get("updates", 0))
+        # The network, seeded with cfg.seed on every rank (same initial weights) or resumed,
+        # the backend around it and the target copy: the same Learner as the one-process
+        # trainer. Weights load before the backend wraps them (DeepSpeed keeps its own copy).
+        self.learner = Learner(cfg.net, cfg.agent, device=device, seed=cfg.seed,
+                               pref_beta=cfg.pref.beta if self.use_pref else 0.0, sim_cfg=cfg.sim,
+                               backend=lc.backend, micro_batch=self.per_worker, keep_pref_head=self.use_pref,
+                               net_state=resume["learner"]["net"] if resume else None)
+        if resume:
+            # Another backend's optimiser layout (ZeRO-2 checkpoints keep none) starts afresh.
+            self.learner.load_state_dict(resume["learner"], strict_optimizer=False)
+        self.store = lc.store
+        if self.store is not None and self.restored_from is not None:  # versions only go forward for readers
+            try:
+                self.learner.version = max(self.learner.version,
+                                           int(ray.get(self.store.get_version.remote(), timeout=60)))
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                pass
+        self.start_id = f"{os.getpid()}-{time.time_ns()}"
+        self.node_id = ray.get_runtime_context().get_node_id()
+        # Data: recorded batches, or this worker's replay route behind a prefetch thread.
+        if lc.batches is not None:
+            self.source = FixedBatches(lc.batches, self.rank, self.per_worker)
+        else:
+            src, _ = make_source(lc.shards, lc.specs, self.node_id, ctx.get_local_rank(), ctx.get_local_world_size(),
+                                 lc.shard_cfg, cfg.seed)
+            self.source = Prefetcher(src, self.per_worker, self.learner.device, depth=lc.prefetch)
+        # The time budget runs from the first group's start; a restarted group stops when the
+        # first one would have (the weight store keeps the deadline).
+        self.deadline = time.time() + float(lc.minutes) * 60.0
+        if self.store is not None:
+            try:
+                self.deadline = float(ray.get(self.store.deadline.remote(self.deadline), timeout=60))
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                pass
+        self.report_every = max(1, lc.publish_every // 5)
+        self.t0 = time.perf_counter()
+        self.compute_s = 0.0
+        self.steps = 0  # steps of this incarnation
+        self.last = StepResult(priorities=None, loss=float("nan"), grad_norm=float("nan"))
+        self.publishes = 0
+        self._m_last = (0, 0)
+        self.pref_batch, self.pref_next = None, None
+        # The driver can stop the group early (a run aborted because its actors died): rank 0
+        # reads the weight store's stop flag about once a second, without waiting on it.
+        self.stop_probe, self.aborted, self.next_probe = None, False, time.time() + 1.0
+
+    # -- links ------------------------------------------------------------------------------
+    def publish(self) -> None:
+        """Rank 0: the current weights to the weight store (and, every tenth time, to the
+        preference actor, whose ensemble picks the queries)."""
+        if self.store is None or self.rank != 0:
+            return
+        from learner.weight_store import state_to_numpy
+        state = state_to_numpy(self.learner.net)
+        self.store.put.remote(self.learner.version, state)
+        if self.pref_actor is not None and self.publishes % 10 == 0:
+            self.pref_actor.set_weights.remote(state, self.learner.version)
+        self.publishes += 1
+
+    def preference_batch(self):
+        """The newest PreferenceBatch that has arrived (fetched one ahead; None before
+        pref.min_pairs exist), every pref.update_every steps."""
+        import ray
+        if not self.use_pref or self.learner.updates % self.cfg.pref.update_every != 0:
+            return None
+        if self.pref_next is None:
+            self.pref_next = self.pref_actor.sample.remote()
+        ready, _ = ray.wait([self.pref_next], timeout=0)
+        if ready:
+            try:
+                self.pref_batch = ray.get(self.pref_next) or self.pref_batch
+            except ray.exceptions.RayActorError:
+                pass  # the preference actor is restarting (it replays its log): ask again
+            self.pref_next = self.pref_actor.sample.remote()
+        return self.pref_batch
+
+    def report(self, final: bool) -> LearnerReport:
+        el = time.perf_counter() - self.t0
+        pre = self.source if isinstance(self.source, Prefetcher) else None
         waited = pre.wait_s if pre is not None else 0.0
-        return {"updates": updates, "version": version, "td_loss": last["loss"], "q_mean": last["q_mean"],
-                "start_id": start_id, "restored_from_updates": restored_from, "pid": os.getpid(),
-                "replay_reattached": getattr(pre.source, "reattached", 0) if pre is not None else 0,
-                "pref_loss": last["pref_loss"], "pref_accuracy": last["pref_accuracy"],
-                   "updates_per_s": step_i / max(el, 1e-9), "learner_wait_share": waited / max(waited + compute_s, 1e-9),
-                   "route": route, "rank": rank, "world_size": world, "final": final, "elapsed_s": el,
-                   "node_id": ray.get_runtime_context().get_node_id(), "backend": backend.name,
-                   "sample_ms": pre.sample_ms if pre is not None else float("nan")}
+        return LearnerReport(updates=self.learner.updates, version=self.learner.version, td_loss=self.last.loss,
+                             q_mean=self.last.q_mean, pref_loss=self.last.pref_loss,
+                             pref_accuracy=self.last.pref_accuracy, updates_per_s=self.steps / max(el, 1e-9),
+                             learner_wait_share=waited / max(waited + self.compute_s, 1e-9),
+                             sample_ms=pre.sample_ms if pre is not None else float("nan"), elapsed_s=el,
+                             route=pre.source.route if pre is not None else self.source.route,
+                             backend=self.learner.backend.name, rank=self.rank, world_size=self.world, final=final,
+                             start_id=self.start_id, restored_from_updates=self.restored_from,
+                             replay_reattached=getattr(pre.source, "reattached", 0) if pre is not None else 0,
+                             pid=os.getpid(), node_id=self.node_id)
 
-    def report(final: bool) -> None:
-        metrics = current_metrics(final)
+    def checkpoint(self, final: bool) -> None:
+        """Every rank reports to Ray Train (it expects all of them); rank 0 attaches the
+        checkpoint (launch.train --local's file format) and tells the weight store."""
+        import ray.train
+        report = self.report(final)
         ck = None
-        if rank == 0:
-            if store is not None:
-                store.report.remote(metrics)
+        if self.rank == 0:
+            if self.store is not None:
+                self.store.report.remote(report)
             d = tempfile.mkdtemp(prefix="apex_bdq_ckpt_")
-            save_checkpoint(os.path.join(d, CHECKPOINT_NAME), config_to_dict(cfg),
-                            {"net": backend.module.state_dict(), "target": target.state_dict(),
-                             # ZeRO-2 shards the optimiser state across ranks (and it holds DeepSpeed objects
-                             # a weights-only load refuses): the portable file keeps weights and counters.
-                             "opt": backend.optimizer_state() if backend.name != "deepspeed" else {},
-                             "updates": updates, "version": version},
-                            {"updates": updates, "decisions": 0, "env_steps": 0, "history": []})
+            # ZeRO-2 shards the optimiser state across ranks (and it holds DeepSpeed objects a
+            # weights-only load refuses): the portable file keeps weights and counters.
+            state = self.learner.state_dict(with_optimizer=self.learner.backend.name != "deepspeed")
+            save_checkpoint(os.path.join(d, CHECKPOINT_NAME), config_to_dict(self.cfg), state,
+                            {"updates": self.learner.updates, "decisions": 0, "env_steps": 0, "history": []})
             ck = ray.train.Checkpoint.from_directory(d)
-        ray.train.report(metrics, checkpoint=ck)
+        ray.train.report(report.as_dict(), checkpoint=ck)
         if ck is not None:  # Ray Train has copied it into the run's storage
             shutil.rmtree(ck.path, ignore_errors=True)
 
-    # The driver can stop the group early (a run aborted because its actors died): rank 0
-    # reads the weight store's stop flag about once a second, without waiting on it.
-    stop_probe, aborted, next_probe = None, False, time.time() + 1.0
-    publish()
-    try:
-        held = None
-        while True:
-            if store is not None and rank == 0 and not aborted:
-                if stop_probe is None and time.time() >= next_probe:
-                    stop_probe, next_probe = store.should_stop.remote(), time.time() + 1.0
-                if stop_probe is not None and ray.wait([stop_probe], timeout=0)[0]:
-                    try:
-                        aborted = bool(ray.get(stop_probe))
-                    except ray.exceptions.RayActorError:
-                        pass
-                    stop_probe = None
-            over = aborted or (time.time() >= deadline) or \
-                (max_updates is not None and updates - base_updates >= max_updates) \
-                or (fixed is not None and step_i >= len(fixed))
-            if fixed is not None:
-                if not over:
-                    g = fixed[step_i]
-                    lo, hi = rank * per_worker, (rank + 1) * per_worker
-                    held = (None, None, None, torch.as_tensor(g["weights"][lo:hi]).to(device),
-                            {k: torch.as_tensor(v[lo:hi]).to(device) for k, v in g["data"].items()})
-            elif held is None:
-                held = pre.next(timeout_s=0.05 if world > 1 else 0.5)
-            stop, ck, go = _agree(rank, over, time.perf_counter() - last_ckpt >= ckpt_every, held is not None,
-                                  world, device)
-            if stop:
-                break
-            if ck:
-                report(final=False)
-                last_ckpt = time.perf_counter()
-            if not go:
-                continue  # some rank is still waiting for data (replay filling, rate limiter)
-            j, idx, gen, w, data = held
-            held = None
-            step_pref = None
-            if use_pref and updates % cfg.pref.update_every == 0:
-                if pref_next is None:
-                    pref_next = pref_actor.sample.remote()
-                ready, _ = ray.wait([pref_next], timeout=0)
-                if ready:
-                    try:
-                        pref_batch = ray.get(pref_next) or pref_batch
-                    except ray.exceptions.RayActorError:
-                        pass  # the preference actor is restarting (it replays its log): ask again
-                    pref_next = pref_actor.sample.remote()
-                step_pref = pref_batch
-            tc = time.perf_counter()
-            loss, ex = batch_td_loss(backend.forward, backend.module, target, data, w, a,
-                                     f"on rank {rank} at update {updates}", pref_batch=step_pref,
-                                     pref_beta=cfg.pref.beta, keep_pref_head=use_pref)
-            backend.step(loss)
-            compute_s += time.perf_counter() - tc
-            if j is not None:
-                pre.source.update(j, idx, gen, ex["priorities"].detach())
-            updates += 1
-            version += 1
-            step_i += 1
-            last.update(loss=float(loss.detach()), q_mean=float(ex["q_mean"]))
-            if "pref_loss" in ex:
-                last.update(pref_loss=float(ex["pref_loss"]), pref_accuracy=float(ex["accuracy"]))
-            if updates % a.target_update == 0:
-                target.load_state_dict(backend.module.state_dict())
-            if updates % publish_every == 0:
-                publish()
-                record_metrics()
-            if store is not None and rank == 0 and updates % report_every == 0:
-                store.report.remote(current_metrics(False))  # live figures: progress line, weight lag
-    finally:
-        if pre is not None:
-            pre.close()
-    publish()
-    if config.get("params_out") and rank == 0:
-        torch.save({k: v.detach().cpu() for k, v in backend.module.state_dict().items()}, config["params_out"])
-    report(final=True)
+    def record_metrics(self) -> None:
+        from apex_bdq import metrics as M
+        r, el = self.rank, time.perf_counter() - self.t0
+        M.record(M.LEARNER_UPDATES, self.learner.updates - self._m_last[0], "learner", r)
+        M.record(M.TRANSITIONS_SAMPLED, (self.steps - self._m_last[1]) * self.per_worker, "learner", r)
+        M.record(M.LEARNER_UPDATES_PER_S, self.steps / max(el, 1e-9), "learner", r)
+        M.record(M.TD_LOSS, self.last.loss, "learner", r)
+        M.record(M.MEAN_Q, self.last.q_mean, "learner", r)
+        if self.use_pref and self.last.pref_loss == self.last.pref_loss:
+            M.record(M.PREF_LOSS, self.last.pref_loss, "learner", r)
+            M.record(M.PREF_ACCURACY, self.last.pref_accuracy, "learner", r)
+        pre = self.source if isinstance(self.source, Prefetcher) else None
+        if pre is not None and pre.sample_ms == pre.sample_ms:
+            M.record(M.SAMPLE_LATENCY_MS, pre.sample_ms, "learner", r)
+        self._m_last = (self.learner.updates, self.steps)
+
+    def over(self) -> bool:
+        """Rank 0's view: the driver's stop flag, the deadline, the update budget, the data."""
+        import ray
+        if self.store is not None and self.rank == 0 and not self.aborted:
+            if self.stop_probe is None and time.time() >= self.next_probe:
+                self.stop_probe, self.next_probe = self.store.should_stop.remote(), time.time() + 1.0
+            if self.stop_probe is not None and ray.wait([self.stop_probe], timeout=0)[0]:
+                try:
+                    self.aborted = bool(ray.get(self.stop_probe))
+                except ray.exceptions.RayActorError:
+                    pass
+                self.stop_probe = None
+        mx = self.lc.max_updates
+        return self.aborted or time.time() >= self.deadline or \
+            (mx is not None and self.learner.updates - self.base_updates >= mx) or \
+            (isinstance(self.source, FixedBatches) and self.source.exhausted())
+
+    # -- the loop ---------------------------------------------------------------------------
+    def run(self) -> None:
+        lc = self.lc
+        last_ckpt = time.perf_counter()
+        held: Optional[SampledBatch] = None
+        self.publish()  # version 0 (or the resumed one): actors act with the learner's weights
+        try:
+            while True:
+                over = self.over()
+                if held is None and not over:
+                    held = self.source.next(timeout_s=0.05 if self.world > 1 else 0.5)
+                stop, ck, go = _agree(self.rank, over, time.perf_counter() - last_ckpt >= lc.checkpoint_every_s,
+                                      held is not None, self.world, self.learner.device)
+                if stop:
+                    break
+                if ck:
+                    self.checkpoint(final=False)
+                    last_ckpt = time.perf_counter()
+                if not go:
+                    continue  # some rank is still waiting for data (replay filling, rate limiter)
+                batch, held = held, None
+                tc = time.perf_counter()
+                self.last = self.learner.step(batch, self.preference_batch(), where=f"on rank {self.rank}")
+                self.compute_s += time.perf_counter() - tc
+                self.source.update(batch.update(self.last.priorities))
+                self.steps += 1
+                if self.learner.updates % lc.publish_every == 0:
+                    self.publish()
+                    self.record_metrics()
+                if self.store is not None and self.rank == 0 and self.learner.updates % self.report_every == 0:
+                    self.store.report.remote(self.report(False))  # live figures: progress line, weight lag
+        finally:
+            self.source.close()
+        self.publish()
+        self.checkpoint(final=True)
+
+
+LOOP_KEY = "loop"
+"""Ray Train's `train_loop_config` is a dict: the LearnerLoopConfig travels under this key."""
+
+
+def train_loop_per_worker(config: dict) -> None:
+    """Ray Train entry point: `TorchTrainer(train_loop_per_worker,
+    train_loop_config={LOOP_KEY: LearnerLoopConfig(...)})`."""
+    lc = config.get(LOOP_KEY) if isinstance(config, dict) else None
+    if not isinstance(lc, LearnerLoopConfig):
+        raise TypeError(f"train_loop_per_worker needs train_loop_config={{{LOOP_KEY!r}: LearnerLoopConfig}}, "
+                        f"got {type(lc).__name__} under {LOOP_KEY!r}")
+    LearnerWorker(lc).run()

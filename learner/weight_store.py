@@ -11,6 +11,8 @@ from __future__ import annotations
 import time
 from typing import Optional
 
+from apex_bdq.messages import LearnerReport, PublishedWeights, StoreStatus, WeightPoll
+
 
 WEIGHT_STORE_NAME = "apex_bdq_weights"
 """A distributed run registers its store under this name (Ray namespace "apex_bdq"), so
@@ -23,7 +25,7 @@ class WeightStore:
         self.version = -1
         self._ref: list = []
         self.stop = False
-        self.learner: dict = {}
+        self.learner: Optional[LearnerReport] = None
         self.published_at = 0.0
         self.learner_restarts = 0
         self._deadline = None
@@ -43,12 +45,12 @@ class WeightStore:
         self.version, self._ref, self.published_at = int(version), [ray.put(own)], time.time()
         return self.version
 
-    def get_if_newer(self, version: int) -> Optional[tuple[int, list]]:
-        return (self.version, self._ref) if self.version > version else None
+    def get_if_newer(self, version: int) -> Optional[PublishedWeights]:
+        return PublishedWeights(self.version, self._ref) if self.version > version else None
 
-    def poll(self, version: int) -> dict:
+    def poll(self, version: int) -> WeightPoll:
         """What an actor asks every K decisions, in one call: newer weights and the stop flag."""
-        return {"weights": self.get_if_newer(version), "stop": self.stop}
+        return WeightPoll(weights=self.get_if_newer(version), stop=self.stop)
 
     def meta(self) -> dict:
         """What a reader needs besides the weights: the run's network config ("net")."""
@@ -70,29 +72,29 @@ class WeightStore:
     def should_stop(self) -> bool:
         return self.stop
 
-    def report(self, metrics: dict) -> None:
+    def report(self, report: LearnerReport) -> None:
         """The learner's latest figures. A report from a restarted learner group (new
         start_id, restored from a checkpoint) counts a learner restart and the updates it
         lost (those past the checkpoint it came back from)."""
-        m = dict(metrics)
-        sid = m.get("start_id")
-        if sid is not None and sid not in self._starts and m.get("restored_from_updates") is not None:
+        if not isinstance(report, LearnerReport):
+            raise TypeError(f"weight store: expected a LearnerReport, got {type(report).__name__}")
+        sid = report.start_id
+        if sid is not None and sid not in self._starts and report.restored_from_updates is not None:
             self.learner_restarts += 1
-            self.updates_lost += max(0, self.max_updates_seen - int(m["restored_from_updates"]))
+            self.updates_lost += max(0, self.max_updates_seen - int(report.restored_from_updates))
         if sid is not None:
             self._starts.add(sid)
-        self.max_updates_seen = max(self.max_updates_seen, int(m.get("updates", 0)))
-        self.learner = m
+        self.max_updates_seen = max(self.max_updates_seen, int(report.updates))
+        self.learner = report
 
     def record_driver_metrics(self, version_lag: float, actors: int) -> None:
         from apex_bdq import metrics as M
         M.record(M.WEIGHT_VERSION_LAG, version_lag, "driver")
         M.record(M.ACTOR_COUNT, actors, "driver")
 
-    def status(self) -> dict:
-        return {"version": self.version, "stop": self.stop, "learner": dict(self.learner),
-                "published_at": self.published_at, "learner_restarts": self.learner_restarts,
-                "updates_lost": self.updates_lost}
+    def status(self) -> StoreStatus:
+        return StoreStatus(version=self.version, stop=self.stop, learner=self.learner, published_at=self.published_at,
+                           learner_restarts=self.learner_restarts, updates_lost=self.updates_lost)
 
 
 def remote_store_class(max_restarts: int = 0):

@@ -19,41 +19,10 @@ from typing import Optional
 import numpy as np
 import torch
 
+from apex_bdq.config import check_snapshot_settings
+from apex_bdq.messages import PriorityUpdate, SampledBatch, ShardStats, TransitionBatch
 from replay_server.rate_limiter import RateLimiter
 from replay_server.replay import FieldSpec, PrioritizedReplay, ReplayError
-
-TRANSITION_FIELDS = ("macro", "micro", "action", "reward", "discount", "next_macro", "next_micro")
-
-
-@dataclass
-class TransitionBatch:
-    """A chunk of n-step transitions from one rollout actor, with initial priorities.
-
-    Arrays are numpy (zero-copy through Ray's object store): macro [M, Fm] f32, micro
-    [M, K, H, Fu] f32, action [M, D] u8, reward [M] f32, discount [M] f32, next_macro,
-    next_micro; priorities [M] f32 (|TD| from the actor's network copy)."""
-
-    macro: np.ndarray
-    micro: np.ndarray
-    action: np.ndarray
-    reward: np.ndarray
-    discount: np.ndarray
-    next_macro: np.ndarray
-    next_micro: np.ndarray
-    priorities: np.ndarray
-    actor_id: int = -1
-    weight_version: int = -1  # the weights that acted
-    env_steps: int = 0  # simulator ticks x shards behind this chunk
-
-    def __len__(self) -> int:
-        return len(self.reward)
-
-    def tensors(self) -> dict:
-        import warnings
-        with warnings.catch_warnings():  # arrays from the object store are read-only; replay copies them
-            warnings.simplefilter("ignore", UserWarning)
-            return {k: torch.from_numpy(np.asarray(getattr(self, k))) for k in TRANSITION_FIELDS}
-
 
 def transition_fields(net_cfg) -> dict:
     """The replay fields for a network config (the simulator's real shapes)."""
@@ -62,19 +31,6 @@ def transition_fields(net_cfg) -> dict:
             "action": FieldSpec((net_cfg.num_branches,), torch.uint8), "reward": FieldSpec((), torch.float32),
             "discount": FieldSpec((), torch.float32), "next_macro": FieldSpec((net_cfg.macro_features,), torch.float32),
             "next_micro": FieldSpec(micro, torch.float32)}
-
-
-def check_snapshot_settings(on_restart: str, every_s: float, directory: Optional[str]) -> None:
-    """The replay durability settings (ShardConfig, and launch.train's flags before any
-    cluster starts); a ConfigError names the flag."""
-    from apex_bdq.config import ConfigError
-    if on_restart not in ("snapshot", "empty"):
-        raise ConfigError(f"replay on-restart (--replay-on-restart) must be 'snapshot' or 'empty', got {on_restart!r}")
-    if every_s < 0:
-        raise ConfigError(f"replay snapshot interval (--replay-snapshot-every) must be >= 0, got {every_s}")
-    if every_s > 0 and not directory:
-        raise ConfigError("replay snapshots every few seconds (--replay-snapshot-every) need a snapshot "
-                          "directory (--replay-snapshot-dir)")
 
 
 @dataclass
@@ -192,31 +148,32 @@ class ReplayShard:
         self.limiter = RateLimiter(self.limiter.min_size)
 
     # -- the RPC route (a learner on another node) ------------------------------------------
-    def sample(self, batch_size: int, timeout_s: float = 60.0) -> Optional[dict]:
+    def sample(self, batch_size: int, timeout_s: float = 60.0) -> Optional[SampledBatch]:
         """A prioritized batch as numpy (None if the limiter still says no after timeout_s)."""
         t0 = time.perf_counter()
         while not self.limiter.can_sample(self.replay.size, self.replay.writes, self.replay.sampled, batch_size):
             if time.perf_counter() - t0 > timeout_s:
                 return None
             time.sleep(0.002)
-        s = self.replay.sample(batch_size)
-        return {"indices": s.indices.cpu().numpy(), "generations": s.generations.cpu().numpy(),
-                "weights": s.weights.cpu().numpy(), "data": {k: v.cpu().numpy() for k, v in s.data.items()}}
+        return SampledBatch.from_replay(self.replay.sample(batch_size), self.shard_id).numpy()
 
-    def update_priorities(self, indices: np.ndarray, generations: np.ndarray, priorities: np.ndarray) -> int:
-        return self.replay.update_priorities(torch.as_tensor(indices), torch.as_tensor(generations),
-                                             torch.as_tensor(priorities))
+    def update_priorities(self, update: PriorityUpdate) -> int:
+        """New priorities for sampled slots; slots overwritten since are left alone. Returns
+        how many were updated."""
+        if not isinstance(update, PriorityUpdate):
+            raise ReplayError(f"replay shard {self.shard_id}: expected a PriorityUpdate, got {type(update).__name__}")
+        return self.replay.update_priorities(torch.as_tensor(update.indices), torch.as_tensor(update.generations),
+                                             torch.as_tensor(update.priorities))
 
     # -- state -----------------------------------------------------------------------------
-    def stats(self) -> dict:
+    def stats(self) -> ShardStats:
         with self._stat_lock:
-            return {"shard": self.shard_id, "size": self.replay.size, "capacity": self.replay.capacity,
-                    "inserted": self.replay.writes, "sampled": self.replay.sampled, "env_steps": self.env_steps,
-                    "inserted_by_actor": dict(self.inserted_by_actor), "actor_versions": dict(self.versions),
-                    "insert_blocked_s": self.blocked_s, "uptime_s": time.time() - self.t0, "pid": os.getpid(),
-                    "node_id": self.node_id(), "device": str(self.replay.device), "restarted": self.restarted,
-                    "restored_size": self.restored_size, "snapshots": self.snapshots,
-                    "snapshot_s": self.snapshot_s}
+            return ShardStats(shard=self.shard_id, size=self.replay.size, capacity=self.replay.capacity,
+                              inserted=self.replay.writes, sampled=self.replay.sampled, env_steps=self.env_steps,
+                              inserted_by_actor=dict(self.inserted_by_actor), actor_versions=dict(self.versions),
+                              insert_blocked_s=self.blocked_s, uptime_s=time.time() - self.t0, pid=os.getpid(),
+                              node_id=self.node_id(), device=str(self.replay.device), restarted=self.restarted,
+                              restored_size=self.restored_size, snapshots=self.snapshots, snapshot_s=self.snapshot_s)
 
     def state_dict(self) -> dict:
         return self.replay.state_dict()

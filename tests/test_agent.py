@@ -12,6 +12,7 @@ from apex_bdq.checkpoint import CheckpointError, load_checkpoint, load_policy
 from apex_bdq.config import AgentConfig, ConfigError, NetConfig, SimConfig, TrainConfig, apply_overrides
 from apex_bdq.nstep import NStepAccumulator
 from launch import evaluate, train
+from apex_bdq.messages import SampledBatch
 from learner.learner import Learner
 from apex_bdq.sim import make_sim
 
@@ -40,6 +41,7 @@ def test_nstep_returns_by_hand():
         NStepAccumulator(2, 0, 0.9)
 
 
+@pytest.mark.slow
 def test_learner_fits_a_fixed_batch_and_copies_the_target():
     cfg = NetConfig(macro_hidden=32, micro_channels=8, z_dim=32, head_hidden=32)
     agent = AgentConfig(batch_size=16, replay_capacity=64, learning_starts=16, target_update=5, lr=1e-3)
@@ -49,15 +51,17 @@ def test_learner_fits_a_fixed_batch_and_copies_the_target():
             "action": torch.randint(0, 5, (16, 4), generator=g).to(torch.uint8),
             "reward": torch.randn(16, generator=g), "discount": torch.zeros(16),
             "next_macro": torch.randn(16, 16, generator=g), "next_micro": torch.randn(16, 4, 8, 6, generator=g)}
-    losses = [ln.update(data, torch.ones(16))["loss"] for _ in range(60)]
+    batch = SampledBatch(indices=None, generations=None, weights=torch.ones(16), **data)
+    losses = [ln.step(batch).loss for _ in range(60)]
     assert losses[-1] < 0.2 * losses[0]
     for p, q in zip(ln.net.parameters(), ln.target.parameters()):
         torch.testing.assert_close(p, q)  # 60 updates: last copy at update 60
-    out = ln.update(data, torch.ones(16))
-    assert out["priorities"].shape == (16,) and (out["priorities"] >= 0).all()
+    out = ln.step(batch)
+    assert out.priorities.shape == (16,) and (out.priorities >= 0).all()
     assert any(not torch.equal(p, q) for p, q in zip(ln.net.parameters(), ln.target.parameters()))
 
 
+@pytest.mark.slow
 def test_rollout_worker_ladder_transitions_and_priorities():
     sim = SimConfig(num_shards=4, episode_s=20.0)
     agent = AgentConfig(n_step=3, decision_ticks=2, gamma=0.9, reward_scale=1.0)
@@ -92,6 +96,7 @@ def test_rollout_worker_ladder_transitions_and_priorities():
     np.testing.assert_allclose(got[2].reward, expect, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_smoke_training_writes_json_checkpoint_and_evaluates(tmp_path, capsys):
     out, ck, curve = tmp_path / "train.json", tmp_path / "ck.pt", tmp_path / "curve.png"
     assert train.main(["--local", "--preset", "smoke", "--json", str(out), "--checkpoint", str(ck),
@@ -168,6 +173,7 @@ def test_train_config_checks():
         TrainConfig(net=NetConfig())  # v1's observation width on the v2 platform
 
 
+@pytest.mark.slow
 def test_resume_auto_continues_the_checkpoint_with_its_own_config(tmp_path, capsys):
     ck, out = tmp_path / "ck.pt", tmp_path / "res.json"
     args = ["--local", "--resume", "auto", "--checkpoint", str(ck), "--quiet", "--json", str(out)]

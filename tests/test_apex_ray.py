@@ -7,15 +7,19 @@ import time
 import numpy as np
 import pytest
 import torch
+from _util import wait_for
 
 from apex_bdq.checkpoint import load_policy
 from launch import train
-from launch.distributed import ApexRun, ClusterSpec, copy_checkpoint, initial_weights
+from apex_bdq.config import ClusterConfig
+from launch.distributed import ApexRun, copy_checkpoint, initial_weights
+
+pytestmark = pytest.mark.ray
 
 SMOKE = train.PRESETS["smoke"]
 
 
-def _run(spec: ClusterSpec, tmp_path, minutes: float = 3.0, max_updates=40, cfg=SMOKE) -> dict:
+def _run(spec: ClusterConfig, tmp_path, minutes: float = 3.0, max_updates=40, cfg=SMOKE) -> dict:
     """Until the learner has made `max_updates` updates (minutes is only a safety cap: a
     loaded 2-core machine can take tens of seconds to start actors and Train workers)."""
     spec = dataclasses.replace(spec, storage_path=str(tmp_path / "ray_train"), checkpoint_every_s=3.0)
@@ -29,7 +33,7 @@ def _run(spec: ClusterSpec, tmp_path, minutes: float = 3.0, max_updates=40, cfg=
 
 @pytest.mark.parametrize("backend", ["ddp", "deepspeed", "accelerate"])
 def test_each_backend_trains_for_real(ray_local, tmp_path, backend):
-    out = _run(ClusterSpec(num_actors=2, num_replay_shards=1, num_learners=1, backend=backend, actor_cpus=1,
+    out = _run(ClusterConfig(num_actors=2, num_replay_shards=1, num_learners=1, backend=backend, actor_cpus=1,
                            learner_cpus=1, publish_every=10), tmp_path)
     st = out["status"]
     lr = st["learner"]
@@ -45,42 +49,70 @@ def test_each_backend_trains_for_real(ray_local, tmp_path, backend):
     assert pol.net is not None and pol.net.cfg == SMOKE.net
 
 
-def test_two_worker_ddp_equals_one_learner_on_the_same_batches(ray_local, tmp_path):
-    """Each of 2 DDP workers takes half of every global batch; averaged gradients make the
-    group's step the single learner's step on the whole batch."""
+def _fixed_batches(cfg, count: int, B: int) -> list:
+    from apex_bdq.messages import SampledBatch
+    n = cfg.net
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(count):
+        f = {"macro": rng.normal(size=(B, n.macro_features)).astype(np.float32),
+             "micro": rng.normal(size=(B, n.num_classes, n.history, n.micro_features)).astype(np.float32),
+             "action": rng.integers(0, n.sub_actions, size=(B, n.num_branches)).astype(np.uint8),
+             "reward": rng.normal(size=B).astype(np.float32), "discount": np.full(B, 0.9, np.float32),
+             "next_macro": rng.normal(size=(B, n.macro_features)).astype(np.float32),
+             "next_micro": rng.normal(size=(B, n.num_classes, n.history, n.micro_features)).astype(np.float32)}
+        out.append(SampledBatch(indices=np.arange(B), generations=np.zeros(B, np.int64),
+                                weights=rng.uniform(0.2, 1, size=B).astype(np.float32), **f))
+    return out
+
+
+def _ray_train_params(cfg, batches: list, world: int, tmp_path, name: str) -> dict:
+    """A Ray Train learner group of `world` workers on `batches`; its final parameters, read
+    from the checkpoint it reports (the file launch.evaluate reads)."""
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from apex_bdq.checkpoint import config_to_dict
-    from learner.train_loop import train_loop_per_worker
+    from apex_bdq.checkpoint import config_to_dict, load_checkpoint
+    from apex_bdq.messages import LearnerLoopConfig
+    from learner.train_loop import CHECKPOINT_NAME, LOOP_KEY, train_loop_per_worker
+    lc = LearnerLoopConfig(cfg=config_to_dict(cfg), backend="ddp", batches=batches, minutes=5,
+                           checkpoint_every_s=1e9)
+    result = TorchTrainer(train_loop_per_worker, train_loop_config={LOOP_KEY: lc},
+                          scaling_config=ScalingConfig(num_workers=world, resources_per_worker={"CPU": 1}),
+                          run_config=RunConfig(storage_path=str(tmp_path / name), name=name)).fit()
+    with result.checkpoint.as_directory() as d:
+        ck = load_checkpoint(f"{d}/{CHECKPOINT_NAME}")
+    assert ck["learner"]["updates"] == len(batches)
+    return ck["learner"]["net"]
+
+
+def test_one_process_learner_and_ray_train_groups_give_the_same_parameters(ray_local, tmp_path):
+    """The local trainer's Learner (plain backend) and a Ray Train learner group run the same
+    `Learner.step`: on the same fixed batches a one-worker group ends with the one-process
+    parameters, and a 2-worker DDP group (each worker on half of every batch, gradients
+    averaged) with the same up to float summation order."""
+    from learner.learner import Learner
     cfg = dataclasses.replace(SMOKE, agent=dataclasses.replace(SMOKE.agent, batch_size=16, target_update=3))
-    n = cfg.net
-    rng = np.random.default_rng(0)
-    batches = []
-    for _ in range(6):
-        B = 16
-        data = {"macro": rng.normal(size=(B, n.macro_features)).astype(np.float32),
-                "micro": rng.normal(size=(B, n.num_classes, n.history, n.micro_features)).astype(np.float32),
-                "action": rng.integers(0, n.sub_actions, size=(B, n.num_branches)).astype(np.uint8),
-                "reward": rng.normal(size=B).astype(np.float32), "discount": np.full(B, 0.9, np.float32)}
-        data["next_macro"] = rng.normal(size=(B, n.macro_features)).astype(np.float32)
-        data["next_micro"] = rng.normal(size=(B, n.num_classes, n.history, n.micro_features)).astype(np.float32)
-        batches.append({"data": data, "weights": rng.uniform(0.2, 1, size=B).astype(np.float32)})
-    params = {}
+    batches = _fixed_batches(cfg, 6, 16)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in the Train worker (torch_threads=1): the same summation order
+    try:
+        local = Learner(cfg.net, cfg.agent, seed=cfg.seed, sim_cfg=cfg.sim)
+        for b in batches:
+            local.step(b)
+    finally:
+        torch.set_num_threads(threads)
+    one = local.net.state_dict()
+    init = _initial_params(cfg)
+    assert any(not torch.equal(one[k], init[k]) for k in one)  # the batches did train the network
     for world in (1, 2):
-        out = tmp_path / f"params_{world}.pt"
-        TorchTrainer(train_loop_per_worker,
-                     train_loop_config={"cfg": config_to_dict(cfg), "backend": "ddp", "fixed_batches": batches,
-                                        "minutes": 5, "params_out": str(out), "checkpoint_every_s": 1e9},
-                     scaling_config=ScalingConfig(num_workers=world, resources_per_worker={"CPU": 1}),
-                     run_config=RunConfig(storage_path=str(tmp_path / f"rt{world}"), name=f"eq{world}")).fit()
-        params[world] = torch.load(out)
-    init = {k: v for k, v in _initial_params(cfg).items()}
-    moved = 0
-    for k in params[1]:
-        torch.testing.assert_close(params[2][k], params[1][k], rtol=1e-4, atol=1e-5)
-        moved += int(not torch.equal(params[1][k], init[k]))
-    assert moved > 0  # the batches did train the network
+        got = _ray_train_params(cfg, batches, world, tmp_path, f"eq{world}")
+        assert set(got) == set(one)
+        for k in one:
+            if world == 1:
+                torch.testing.assert_close(got[k], one[k], rtol=0, atol=0, msg=f"{k}: one worker != one process")
+            else:
+                torch.testing.assert_close(got[k], one[k], rtol=1e-4, atol=1e-5)
 
 
 def _initial_params(cfg):
@@ -97,38 +129,27 @@ def test_actors_start_with_the_learners_initial_weights(ray_local, tmp_path, ini
     with agent.initial_policy=default both start from the platform's default setting."""
     cfg = dataclasses.replace(SMOKE, agent=dataclasses.replace(SMOKE.agent, initial_policy=initial_policy))
     import ray
-    from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
 
-    from apex_bdq.checkpoint import config_to_dict
-    from learner.train_loop import train_loop_per_worker
     from learner.weight_store import load_numpy_state
     from apex_bdq.networks import BDQNetwork
-    out = tmp_path / "params_start.pt"  # no batches: the learner's parameters as it starts
-    TorchTrainer(train_loop_per_worker,
-                 train_loop_config={"cfg": config_to_dict(cfg), "backend": "ddp", "fixed_batches": [],
-                                    "minutes": 5, "params_out": str(out), "checkpoint_every_s": 1e9},
-                 scaling_config=ScalingConfig(num_workers=1, resources_per_worker={"CPU": 1}),
-                 run_config=RunConfig(storage_path=str(tmp_path / "rt"), name="start")).fit()
-    learner_start = torch.load(out)
+    learner_start = _ray_train_params(cfg, [], 1, tmp_path, "start")  # no batches: the parameters it starts with
     init = initial_weights(cfg)
     assert set(init) == set(learner_start)
     assert (np.abs(init["head.w2"]).sum() == 0) == (initial_policy == "default")  # the default start: zeroed layer
     for k, v in learner_start.items():
         np.testing.assert_array_equal(init[k], v.numpy())
-    run = ApexRun(cfg, ClusterSpec(num_actors=1, actor_cpus=1, storage_path=str(tmp_path / "rt2")))
+    run = ApexRun(cfg, ClusterConfig(num_actors=1, actor_cpus=1, storage_path=str(tmp_path / "rt2")))
     try:
         run.start()
-        version, (ref,) = ray.get(run.store.get_if_newer.remote(-1))
-        assert version == 0
+        got = ray.get(run.store.get_if_newer.remote(-1))
+        assert got.version == 0
         net = BDQNetwork(cfg.net)
-        load_numpy_state(net, ray.get(ref))
+        load_numpy_state(net, ray.get(got.ref[0]))
         for k, v in net.state_dict().items():
             np.testing.assert_array_equal(v.numpy(), init[k])
-        deadline = time.time() + 60
-        while ray.get(run.actors[0].stats.remote())["weight_version"] < 0 and time.time() < deadline:
-            time.sleep(0.2)
-        assert ray.get(run.actors[0].stats.remote())["weight_version"] == 0  # acting with them
+        wait_for(lambda: ray.get(run.actors[0].stats.remote()).weight_version >= 0, 60,
+                 "the actor to pull the first weights")
+        assert ray.get(run.actors[0].stats.remote()).weight_version == 0  # acting with them
     finally:
         ray.get(run.store.set_stop.remote(True))
         for a in run.actors:
@@ -168,24 +189,22 @@ def test_rollout_actor_backpressure_bounds_chunks_in_flight(ray_local):
     st = ray.get(act.run.remote(max_decisions=40))
     peak, rows = ray.get(shard.stats.remote())
     assert peak <= 2
-    assert rows == st["transitions_sent"] > 0
-    assert st["backpressure_wait_s"] > 0.5
+    assert rows == st.transitions_sent > 0
+    assert st.backpressure_wait_s > 0.5
 
 
-def test_two_node_cluster_places_components_by_node_type(tmp_path):
+def test_two_node_cluster_places_components_by_node_type(own_ray_cluster, tmp_path):
     """Nodes built like cluster.yaml's types: rollout actors land on the rollout node,
     learner and replay shards on the learner node, and training runs across them."""
     import ray
     from ray.cluster_utils import Cluster
-    if ray.is_initialized():
-        ray.shutdown()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     try:
         rollout_node = cluster.add_node(num_cpus=3, resources={"rollout": 16})
         learner_node = cluster.add_node(num_cpus=2, resources={"learner": 4})
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, log_to_driver=False)
-        out = _run(ClusterSpec(num_actors=2, num_replay_shards=1, num_learners=1, actor_cpus=1, learner_cpus=1,
+        out = _run(ClusterConfig(num_actors=2, num_replay_shards=1, num_learners=1, actor_cpus=1, learner_cpus=1,
                                publish_every=10), tmp_path)
         st = out["status"]
         assert {a["node_id"] for a in st["actors"]} == {rollout_node.node_id}

@@ -15,7 +15,8 @@ from apex_bdq.config import AgentConfig, ConfigError, apply_overrides
 from launch import train
 from replay_server.rate_limiter import RateLimiter
 from replay_server.replay import ReplayError
-from replay_server.replay_actor import ReplayShard, ShardConfig, TransitionBatch, transition_fields
+from apex_bdq.messages import PriorityUpdate, TransitionBatch
+from replay_server.replay_actor import ReplayShard, ShardConfig, transition_fields
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = train.PRESETS["smoke"]
@@ -45,6 +46,7 @@ def _batch(m: int, net_cfg, actor_id: int = 0, **over) -> TransitionBatch:
                            env_steps=m * 10)
 
 
+@pytest.mark.slow
 def test_replay_shard_validates_chunks_and_counts(tmp_path):
     shard = ReplayShard(0, ShardConfig(capacity=64, fields=transition_fields(SMOKE.net), shared=False))
     assert shard.add(_batch(10, SMOKE.net)) == 10
@@ -58,11 +60,13 @@ def test_replay_shard_validates_chunks_and_counts(tmp_path):
     with pytest.raises(ReplayError, match="TransitionBatch"):
         shard.add({"reward": np.zeros(3)})
     st = shard.stats()
-    assert st["size"] == 10 and st["inserted"] == 10  # nothing of a refused chunk was written
-    assert st["inserted_by_actor"] == {0: 10} and st["actor_versions"] == {0: 3} and st["env_steps"] == 100
+    assert st.size == 10 and st.inserted == 10  # nothing of a refused chunk was written
+    assert st.inserted_by_actor == {0: 10} and st.actor_versions == {0: 3} and st.env_steps == 100
     out = shard.sample(8)
-    assert out["data"]["macro"].shape == (8, SMOKE.net.macro_features)
-    assert shard.update_priorities(out["indices"], out["generations"], np.full(8, 5.0)) == 8
+    assert out.macro.shape == (8, SMOKE.net.macro_features) and isinstance(out.macro, np.ndarray)
+    assert shard.update_priorities(out.update(np.full(8, 5.0))) == 8
+    with pytest.raises(ReplayError, match="PriorityUpdate"):
+        shard.update_priorities((out.indices, out.generations, np.full(8, 5.0)))
 
 
 def test_actor_epsilon_ladder_is_apex_per_explorer():
@@ -167,24 +171,25 @@ def test_cluster_yaml_with_a_broken_key_fails_validation(breakage):
         _validate(cfg)
 
 
+@pytest.mark.slow
 def test_replay_shard_snapshot_round_trips_and_refuses_what_does_not_fit(tmp_path):
     fields = transition_fields(SMOKE.net)
     cfg = ShardConfig(capacity=64, fields=fields, shared=False, snapshot_dir=str(tmp_path), seed=5)
     shard = ReplayShard(0, cfg)
     rng = np.random.default_rng(0)
     shard.add(_batch(40, SMOKE.net, reward=rng.normal(size=40).astype(np.float32)))
-    shard.update_priorities(np.arange(8), np.arange(8), np.linspace(0.1, 5.0, 8).astype(np.float32))
+    shard.update_priorities(PriorityUpdate(np.arange(8), np.arange(8), np.linspace(0.1, 5.0, 8).astype(np.float32)))
     got = shard.snapshot()
     assert got["size"] == 40 and (tmp_path / "replay_shard0.pt").exists()
     # A fresh shard told to load it (a resume) has the same memory, priorities and sampler.
     back = ReplayShard(0, dataclasses.replace(cfg, load_snapshot=True))
-    assert back.stats()["restored_size"] == 40 and back.stats()["inserted"] == 40
+    assert back.stats().restored_size == 40 and back.stats().inserted == 40
     torch.testing.assert_close(back.replay.storage["reward"][:40], shard.replay.storage["reward"][:40])
     torch.testing.assert_close(back.replay.tree.leaves, shard.replay.tree.leaves)
     a, b = shard.sample(16), back.sample(16)
-    np.testing.assert_array_equal(a["indices"], b["indices"])
+    np.testing.assert_array_equal(a.indices, b.indices)
     # Without load_snapshot a fresh shard starts empty.
-    assert ReplayShard(0, cfg).stats()["size"] == 0
+    assert ReplayShard(0, cfg).stats().size == 0
     # Another capacity, a corrupt file: refused with the reason, nothing loaded.
     with pytest.raises(ReplayError, match="capacity 64"):
         ReplayShard(0, dataclasses.replace(cfg, capacity=32, load_snapshot=True))
@@ -197,3 +202,27 @@ def test_replay_shard_snapshot_round_trips_and_refuses_what_does_not_fit(tmp_pat
         ShardConfig(capacity=8, on_restart="sometimes")
     with pytest.raises(ReplayError, match="no snapshot_dir"):
         ReplayShard(1, ShardConfig(capacity=8, fields=fields, shared=False)).snapshot()
+
+
+def test_cluster_settings_are_part_of_the_config_tree():
+    """One definition of each cluster default (ClusterConfig), settable with --set
+    cluster.NAME, validated with the flag's name, and recorded with the run's config (what
+    its checkpoints store); configs saved before it existed load with the defaults."""
+    from apex_bdq.checkpoint import config_to_dict
+    from apex_bdq.config import ClusterConfig, ConfigError, apply_overrides, train_config_from_dict
+    from launch.distributed import ApexRun
+    cfg = apply_overrides(SMOKE, ["cluster.num_actors=3", "cluster.samples_per_insert=2"])
+    assert cfg.cluster.num_actors == 3 and cfg.cluster.limiter_slack == 4096 * 2
+    assert train_config_from_dict(config_to_dict(cfg)) == cfg
+    old = config_to_dict(SMOKE)
+    del old["cluster"]
+    assert train_config_from_dict(old).cluster == ClusterConfig()
+    spec = ClusterConfig(num_actors=1, backend="accelerate")
+    assert ApexRun(cfg, spec).cfg.cluster == spec  # what the run's checkpoints record
+    assert ApexRun(cfg).spec == cfg.cluster
+    with pytest.raises(ConfigError, match="--num-learners"):
+        ClusterConfig(num_learners=0)
+    with pytest.raises(ConfigError, match="unknown backend 'zero3'"):
+        apply_overrides(SMOKE, ["cluster.backend=zero3"])
+    with pytest.raises(ConfigError, match="--replay-snapshot-dir"):
+        ClusterConfig(replay_snapshot_every_s=5.0)

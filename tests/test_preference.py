@@ -73,13 +73,13 @@ def test_preference_only_step_leaves_value_and_advantage_heads_unchanged():
     batch = PreferenceBatch.from_pairs([PreferencePair(actor_segs[i].id, actor_segs[i + 1].id) for i in range(0, 8, 2)],
                                        {s.id: s for s in actor_segs})
     before = {k: v.clone() for k, v in learner.net.state_dict().items()}
-    out = learner.update(None, None, batch)
+    out = learner.step(None, batch)
     after = learner.net.state_dict()
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     assert not any(k.startswith("head.") for k in changed), sorted(changed)
     assert any(k.startswith("pref.") for k in changed)
     assert any(k.startswith(("macro.", "micro.", "fuse.")) for k in changed)  # it shapes the representation
-    assert np.isfinite(out["pref_loss"])
+    assert np.isfinite(out.pref_loss) and out.priorities is None
 
 
 def _probe_td(learner, data, weights):
@@ -110,12 +110,14 @@ def test_feedback_does_not_break_the_critic_on_a_probe_set():
              for a, b in zip(segs[::2], segs[1::2])]
     batch = PreferenceBatch.from_pairs(pairs, {s.id: s for s in segs})
     base = Learner(NET, AgentConfig(lr=3e-4, target_update=10_000), seed=0, pref_beta=0.5)
+    from apex_bdq.messages import SampledBatch
+    sampled = SampledBatch(indices=None, generations=None, weights=w[: B // 2], **train)
     for _ in range(30):
-        base.update(train, w[: B // 2])
+        base.step(sampled)
     td_only, with_pref = copy.deepcopy(base), copy.deepcopy(base)
     for _ in range(60):
-        td_only.update(train, w[: B // 2])
-        with_pref.update(train, w[: B // 2], batch)
+        td_only.step(sampled)
+        with_pref.step(sampled, batch)
     a, b = _probe_td(td_only, probe, w[: B // 2]), _probe_td(with_pref, probe, w[: B // 2])
     assert b <= 1.05 * a, (a, b)
 
@@ -137,7 +139,7 @@ def test_head_learns_to_rank_held_out_oracle_pairs():
     train, held = pairs(0, 300), pairs(300, 400)
     for step in range(150):
         idx = rng.integers(0, len(train), size=32)
-        learner.update(None, None, PreferenceBatch.from_pairs([train[i] for i in idx], by_id))
+        learner.step(None, PreferenceBatch.from_pairs([train[i] for i in idx], by_id))
     _, ex = batch_preference_loss(learner.net.utilities, PreferenceBatch.from_pairs(held, by_id), learner.device)
     assert ex["accuracy"].item() >= 0.9
 
@@ -269,7 +271,7 @@ def test_oracle_queries_the_most_disputed_pair_and_serves_batches(tmp_path):
     assert actor.oracle_step() == 6  # the budget caps it
     assert actor.oracle_step() == 0
     st = actor.stats()
-    assert st["pairs"] == 6 and st["oracle_ranked"] == 6
+    assert st.pairs == 6 and st.oracle_ranked == 6
     b = actor.sample(5)
     assert b.macro_a.shape == (5, T, NET.macro_features) and b.action_b.shape == (5, T, NET.num_branches)
     actor.close()
@@ -332,7 +334,7 @@ def test_eval_pairs_measure_the_head_on_fresh_segments_without_touching_feedback
     pairs = [p for p in pairs if p.label != 0.5]
     for _ in range(150):
         idx = rng.integers(0, len(pairs), size=32)
-        learner.update(None, None, PreferenceBatch.from_pairs([pairs[i] for i in idx], by_id))
+        learner.step(None, PreferenceBatch.from_pairs([pairs[i] for i in idx], by_id))
     fresh = [make_segment(rng, capacity_action=int(rng.integers(0, NET.sub_actions))) for _ in range(60)]
     clean = pref_actor(tmp_path, name="clean.log", oracle_error_rate=0.0)
     noisy = pref_actor(tmp_path, name="noisy.log", oracle_error_rate=1.0)  # every answer at random
@@ -397,6 +399,7 @@ def test_exploration_draws_from_the_preference_softmax():
 
 
 # -- the local trainer with feedback -----------------------------------------------------
+@pytest.mark.slow
 def test_local_trainer_with_oracle_feedback(tmp_path):
     from launch.train import PRESETS, LocalTrainer
     from apex_bdq.config import apply_overrides
@@ -445,6 +448,7 @@ def test_feedback_cli_on_a_log_without_a_cluster(tmp_path, capsys):
     assert [(p.a, p.b) for p in pairs] == [("s0", "s1")]  # the tie on the same two was a duplicate
 
 
+@pytest.mark.slow
 def test_preference_fit_benchmark_on_a_log(tmp_path):
     """`launch.bench preference-fit` fits a head on a log's training pairs and ranks its
     held-out segments; a checkpoint of another network shape is refused."""

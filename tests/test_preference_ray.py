@@ -4,17 +4,21 @@ feedback CLI against the running actor (which survives a kill with every accepte
 
 import dataclasses
 import os
-import time
 
 import numpy as np
+import pytest
+from _util import wait_for
 
 from launch import train
-from launch.distributed import ApexRun, ClusterSpec
+from apex_bdq.config import ClusterConfig
+from launch.distributed import ApexRun
+
+pytestmark = pytest.mark.ray
 
 SMOKE = train.PRESETS["smoke"]
 
 
-def _run(spec: ClusterSpec, tmp_path, cfg, minutes: float = 3.0, max_updates=60) -> dict:
+def _run(spec: ClusterConfig, tmp_path, cfg, minutes: float = 3.0, max_updates=60) -> dict:
     spec = dataclasses.replace(spec, storage_path=str(tmp_path / "ray_train"), checkpoint_every_s=3.0)
     run = ApexRun(cfg, spec)
     try:
@@ -38,7 +42,7 @@ def test_preferences_flow_through_a_two_learner_run(ray_local, tmp_path):
     cfg = _pref_smoke()
     cfg = dataclasses.replace(cfg, pref=dataclasses.replace(cfg.pref, log_path=log))
     assert isinstance(cfg.pref, PreferenceConfig) and cfg.net.preference_ensemble == 3
-    out = _run(ClusterSpec(num_actors=2, num_replay_shards=2, num_learners=2, backend="ddp", publish_every=10),
+    out = _run(ClusterConfig(num_actors=2, num_replay_shards=2, num_learners=2, backend="ddp", publish_every=10),
                tmp_path, cfg, max_updates=60)
     st = out["status"]
     assert st["learner"]["updates"] == 60
@@ -86,18 +90,15 @@ def test_feedback_cli_ranks_through_the_running_preference_actor(ray_local, tmp_
         r = cli("rank", "seg0", "nope")
         assert r.returncode == 2 and "unknown segment id 'nope'" in r.stderr
         st = ray.get(actor.stats.remote())
-        assert st["pairs"] == 1 and st["refused"] == 1
+        assert st.pairs == 1 and st.refused == 1
         # The actor dies between accepting and training: the restarted one has the pair.
         ray.kill(actor, no_restart=False)
-        deadline = time.time() + 60
-        while time.time() < deadline:  # the kill is asynchronous: wait for the restarted actor
-            try:
-                st = ray.get(actor.stats.remote(), timeout=5)
-                if st["replayed_pairs"] == 1:
-                    break
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                pass
-            time.sleep(0.2)
+        def restarted():  # the kill is asynchronous: wait for the restarted actor
+            st = ray.get(actor.stats.remote(), timeout=5)
+            return st if st.replayed_pairs == 1 else None
+
+        st = wait_for(restarted, 60, "the restarted preference actor to have replayed the pair",
+                      ignore=(ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError))
         assert st["pairs"] == 1 and st["replayed_pairs"] == 1
     finally:
         ray.kill(actor, no_restart=True)

@@ -6,11 +6,15 @@ feedback, and a clear failure when rollout actors die without restarts."""
 import dataclasses
 import os
 
+import pytest
 import torch
 
 from apex_bdq.checkpoint import load_checkpoint
 from launch import train
-from launch.distributed import ApexRun, ClusterSpec
+from apex_bdq.config import ClusterConfig
+from launch.distributed import ApexRun
+
+pytestmark = pytest.mark.ray
 
 
 def test_short_soak_recovers_every_kill_and_loses_no_feedback(ray_local, tmp_path):
@@ -42,7 +46,7 @@ def _cfg(tmp_path):
 
 def test_resume_continues_weights_optimiser_counters_replay_and_feedback(ray_local, tmp_path, monkeypatch):
     ck = tmp_path / "ck.pt"
-    spec = ClusterSpec(num_actors=2, num_replay_shards=1, storage_path=str(tmp_path / "ray_train"),
+    spec = ClusterConfig(num_actors=2, num_replay_shards=1, storage_path=str(tmp_path / "ray_train"),
                        checkpoint_every_s=2.0, checkpoint_path=str(ck), replay_snapshot_dir=str(tmp_path / "replay"),
                        replay_snapshot_every_s=2.0, publish_every=10)
     monkeypatch.chdir(tmp_path)  # the feedback log goes under runs/feedback/ here
@@ -79,7 +83,7 @@ def test_resume_continues_weights_optimiser_counters_replay_and_feedback(ray_loc
 def test_dead_rollout_actors_without_restarts_stop_the_run_with_the_reason(ray_local, tmp_path):
     import threading
     import ray
-    spec = ClusterSpec(num_actors=1, num_replay_shards=1, storage_path=str(tmp_path / "ray_train"), max_restarts=0)
+    spec = ClusterConfig(num_actors=1, num_replay_shards=1, storage_path=str(tmp_path / "ray_train"), max_restarts=0)
     run = ApexRun(dataclasses.replace(train.PRESETS["smoke"]), spec)
     box = {}
 
