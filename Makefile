@@ -1,10 +1,11 @@
-# Two commands on a fresh machine: `make run` (main job on the bundled trace) and `make test`.
+# Two commands on a fresh machine: `make run` (main job on the bundled trace) and `make test`
+# (`make check`: the fast loop without Ray or slow tests).
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run run-local baselines serve soak test bench setup clean
+.PHONY: run run-local baselines serve soak test check bench setup clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -31,6 +32,10 @@ soak: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# The fast loop (no Ray cluster, nothing slow): a few minutes; `make test` stays the full suite.
+check: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not ray and not slow"
 
 bench: $(STAMP)
 	$(BIN)/python -m launch.bench sim --json runs/bench_sim.json

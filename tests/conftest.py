@@ -1,5 +1,6 @@
 import os
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -28,16 +29,106 @@ def random_actions(rng: np.random.Generator, S: int, D: int, n: int) -> np.ndarr
     return rng.integers(0, n, size=(S, D))
 
 
+class ModuleCluster:
+    """The local Ray cluster a test module shares (the `ray_local` fixture). `address` is the GCS
+    address of the cluster it started: the driver must still be on that one after every test."""
+
+    def __init__(self, **options):
+        self.options = options
+        self.address: Optional[str] = None
+
+    def start(self) -> None:
+        import ray
+        os.environ["RAY_AUTH_MODE"] = "disabled"
+        ray.init(address="local", include_dashboard=False, log_to_driver=False, **self.options)
+        self.address = ray.get_runtime_context().gcs_address
+
+    def stop(self) -> None:
+        import ray
+        self.address = None
+        ray.shutdown()
+
+    def problem(self) -> Optional[str]:
+        """None while the driver is on this cluster, else what happened to it."""
+        import ray
+        if not ray.is_initialized():
+            return "was shut down (ray.shutdown())"
+        now = ray.get_runtime_context().gcs_address
+        if now != self.address:
+            return f"was replaced: the driver is on {now}, the module's cluster was {self.address}"
+        return None
+
+    def restore(self) -> None:
+        import ray
+        if ray.is_initialized():
+            ray.shutdown()
+        self.start()
+
+
+_module_cluster: Optional[ModuleCluster] = None  # the live `ray_local` cluster, if any
+
+
 @pytest.fixture(scope="module")
-def ray_local():
-    """A local Ray cluster for one test module (8 logical CPUs, the placement resources of
-    cluster.yaml). One per module: see the README's notes on ray.shutdown() in tests."""
+def ray_local_options():
+    """ray.init options of the module's cluster: 8 logical CPUs and the placement resources of
+    cluster.yaml. A module overrides this fixture (not `ray_local`) for another size."""
+    return {"num_cpus": 8, "resources": {"rollout": 8, "learner": 8}}
+
+
+@pytest.fixture(scope="module")
+def ray_local(ray_local_options):
+    """A local Ray cluster for one test module (see the README's notes on ray.shutdown() in
+    tests). No test may shut it down: `_module_cluster_guard` fails a test that does (and
+    starts the cluster again for the next ones); a test that needs a Ray of its own takes
+    `own_ray_cluster`."""
+    global _module_cluster
     import ray
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    ray.init(address="local", num_cpus=8, resources={"rollout": 8, "learner": 8}, include_dashboard=False,
-             log_to_driver=False)
-    yield ray
-    ray.shutdown()
+    if ray.is_initialized():
+        pytest.fail("a Ray driver is already initialised before this module's cluster starts: an earlier test "
+                    "left it running (a test that starts its own Ray takes the `own_ray_cluster` fixture)")
+    mc = ModuleCluster(**ray_local_options)
+    mc.start()
+    _module_cluster = mc
+    try:
+        yield ray
+    finally:
+        _module_cluster = None
+        ray.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _module_cluster_guard(request):
+    """While a module's cluster is up, every test starts and ends on it: without this, a test
+    that calls ray.shutdown() leaves the following tests on whatever cluster launch.train or
+    the next ray.remote() starts for itself (all CPUs, where Ray Train learners can wait for
+    CPUs forever)."""
+    mc = _module_cluster
+    if mc is not None and (bad := mc.problem()):
+        mc.restore()
+        pytest.fail(f"the module's shared Ray cluster {bad} before {request.node.nodeid} started")
+    yield
+    if mc is not None and _module_cluster is mc and (bad := mc.problem()):
+        mc.restore()  # the following tests run on the module's cluster again
+        pytest.fail(f"{request.node.nodeid}: the module's shared Ray cluster {bad} during the test; a test "
+                    "that needs a Ray of its own takes the `own_ray_cluster` fixture")
+
+
+@pytest.fixture
+def own_ray_cluster():
+    """For a test that starts a Ray of its own (a multi-node `Cluster`, a `ray start` head, an
+    in-process Serve): the module's shared cluster, if one is up, is stopped for the test and
+    started again after it; whatever Ray driver the test leaves initialised is shut down."""
+    import ray
+    mc = _module_cluster
+    if mc is not None:
+        mc.stop()
+    try:
+        yield ray
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        if mc is not None:
+            mc.start()
 
 
 @pytest.fixture(autouse=True, scope="session")

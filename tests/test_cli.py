@@ -15,6 +15,7 @@ from conftest import SHARED_TRACES
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_evaluate_judges_every_policy_against_the_rules_frontiers(tmp_path, capsys, daily_trace):
     """`--policy all` on a two-day trace: the frontier table, the yardstick keys per policy
     (the oracle included), the headroom lines and the frontier plot."""
@@ -98,6 +99,7 @@ def test_evaluate_platform_v1_still_runs_its_rules(tmp_path):
 
 
 @pytest.mark.skipif(not SHARED_TRACES.is_dir(), reason="../shared/traces not present")
+@pytest.mark.slow
 def test_evaluate_every_shared_trace(tmp_path):
     out = tmp_path / "all.json"
     assert evaluate.main(["--policy", "hpa", "--trace", "shared", "--ticks", "10", "--shards", "1",
@@ -114,6 +116,7 @@ def test_evaluate_as_a_module_subprocess():
     assert "random" in r.stdout
 
 
+@pytest.mark.slow
 def test_bench_sim_writes_the_interface_keys(tmp_path, monkeypatch):
     out = tmp_path / "sim.json"
     assert bench.main(["sim", "--repeats", "1", "--seconds", "0.02", "--json", str(out)]) == 0

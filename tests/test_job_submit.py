@@ -7,13 +7,15 @@ import re
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
+from _util import wait_for
 
 from apex_bdq import metrics as M
+
+pytestmark = pytest.mark.ray
 
 ROOT = Path(__file__).resolve().parents[1]
 RAY = str(Path(sys.executable).parent / "ray")
@@ -42,10 +44,7 @@ def _ray_current_cluster_files() -> list:
 
 
 @pytest.fixture
-def ray_head(tmp_path):
-    import ray
-    if ray.is_initialized():
-        ray.shutdown()
+def ray_head(own_ray_cluster, tmp_path):
     port, dash, mport = _free_port(), _free_port(), _free_port()
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_metrics_report_interval_ms": "1000"}
     subprocess.run([RAY, "start", "--head", f"--port={port}", f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1",
@@ -68,17 +67,18 @@ def _submit_and_wait(ray_head, entry: str, seen: dict):
     assert sub.returncode == 0, sub.stdout + sub.stderr
     job_id = re.search(r"raysubmit_\w+", sub.stdout + sub.stderr).group(0)
     client = JobSubmissionClient(ray_head["dashboard"])
-    deadline = time.time() + 400
-    while time.time() < deadline:
+
+    def finished():  # scraping the metrics while the job runs
         status = client.get_job_status(job_id)
         try:
             for k, v in _scrape(ray_head["metrics_port"]).items():
                 seen[k] = max(seen.get(k, 0.0), v)
         except OSError:
             pass
-        if status in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED):
-            break
-        time.sleep(1.0)
+        return status if status in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED) else None
+
+    status = wait_for(finished, 400, f"job {job_id} to finish", interval=1.0,
+                      detail=lambda: client.get_job_logs(job_id)[-3000:])
     logs = client.get_job_logs(job_id)
     assert status == JobStatus.SUCCEEDED, logs[-3000:]
     return logs

@@ -11,13 +11,13 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import msgpack
 import numpy as np
 import pytest
 import torch
+from _util import wait_for
 
 from apex_bdq.checkpoint import config_to_dict, save_checkpoint
 from apex_bdq.client import DecisionClient, ServiceError
@@ -73,16 +73,14 @@ def server(tmp_path_factory):
     url = f"http://127.0.0.1:{port}"
     client = DecisionClient(url)
     try:
-        deadline = time.time() + 180
-        while True:
-            try:
-                if client.healthz()["status"] == "ok":
-                    break
-            except (OSError, ServiceError, http.client.HTTPException):
-                pass
-            if proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError("launch.serve did not come up:\n" + (d / "serve.out").read_text()[-3000:])
-            time.sleep(0.5)
+        def up():
+            if proc.poll() is not None:
+                raise RuntimeError("launch.serve exited:\n" + (d / "serve.out").read_text()[-3000:])
+            return client.healthz()["status"] == "ok"
+
+        wait_for(up, 180, "launch.serve to answer /healthz", interval=0.5,
+                 ignore=(OSError, ServiceError, http.client.HTTPException),
+                 detail=lambda: (d / "serve.out").read_text()[-3000:])
         yield {"url": url, "ck": ck, "log": log, "nets": nets, "proc": proc, "dir": d}
     finally:
         client.close()
@@ -103,6 +101,7 @@ def post(url: str, body: bytes, content_type: str = "application/json", headers=
     return status, (json.loads(raw) if raw and h.get("content-type", "").startswith("application/json") else raw)
 
 
+@pytest.mark.ray
 def test_decide_over_json_and_msgpack_matches_the_checkpoint(server):
     net = server["nets"][7]
     macro, micro = obs(5, seed=3)
@@ -127,6 +126,7 @@ def test_decide_over_json_and_msgpack_matches_the_checkpoint(server):
         assert "application/msgpack" in spec["paths"]["/v1/decide"]["post"]["requestBody"]["content"]
 
 
+@pytest.mark.ray
 def test_bad_requests_get_a_4xx_naming_the_problem(server):
     url = server["url"]
     macro, micro = obs(2)
@@ -174,6 +174,7 @@ def _segment(sid: str, seed: int, T: int = 3) -> dict:
             "metrics": {m: float(rng.random()) for m in PREFERENCE_METRICS}}
 
 
+@pytest.mark.ray
 def test_feedback_needs_the_token_and_lands_durably(server):
     url = server["url"]
     with DecisionClient(url) as c:
@@ -205,6 +206,7 @@ def test_feedback_needs_the_token_and_lands_durably(server):
     np.testing.assert_allclose(segments["seg-a"].macro, np.asarray(segs[0]["macro"], dtype=np.float32))
 
 
+@pytest.mark.ray
 def test_a_new_checkpoint_is_swapped_in_without_dropping_requests(server):
     url, ck = server["url"], server["ck"]
     macro, micro = obs(3, seed=9)
@@ -226,14 +228,14 @@ def test_a_new_checkpoint_is_swapped_in_without_dropping_requests(server):
     threads = [threading.Thread(target=hammer, args=(mine,)) for mine in per_thread]
     for t in threads:
         t.start()
-    time.sleep(1.0)
-    new = write_checkpoint(ck, v0 + 1, seed=2)  # atomic replace; the server polls every 0.5 s
-    server["nets"][v0 + 1] = new
-    deadline = time.time() + 30
-    while time.time() < deadline and not any(v == v0 + 1 for v, _ in seen[-5:]):
-        time.sleep(0.2)
-    time.sleep(0.5)
-    stop.set()
+    try:
+        wait_for(lambda: errors or all(per_thread), 30, "every client's first answer")
+        new = write_checkpoint(ck, v0 + 1, seed=2)  # atomic replace; the server polls every 0.5 s
+        server["nets"][v0 + 1] = new
+        wait_for(lambda: errors or all(mine[-1][0] == v0 + 1 for mine in per_thread), 30,
+                 f"every client to get version {v0 + 1}")
+    finally:
+        stop.set()
     for t in threads:
         t.join()
     assert not errors, errors[:3]
@@ -257,7 +259,8 @@ def test_cli_refuses_a_missing_checkpoint_before_starting_ray(tmp_path, capsys):
     assert "corrupt or not a checkpoint" in capsys.readouterr().err
 
 
-def test_handle_path_follows_a_weight_store(tmp_path):
+@pytest.mark.ray
+def test_handle_path_follows_a_weight_store(own_ray_cluster, tmp_path):
     """In-process: a named weight store (as a distributed run registers it), a deployment
     with --follow, decisions through a deployment handle; a newer version is picked up."""
     import ray
@@ -279,15 +282,9 @@ def test_handle_path_follows_a_weight_store(tmp_path):
         r = handle.decide.remote(macro, micro).result()
         assert r["version"] == 3
         with DecisionClient(f"http://127.0.0.1:{port}", token="t") as c:  # Serve's own proxy here
-            deadline = time.time() + 30
-            while True:
-                try:
-                    assert c.healthz()["source"] == "weight-store"
-                    break
-                except (OSError, ServiceError, http.client.HTTPException):
-                    if time.time() > deadline:
-                        raise
-                    time.sleep(0.3)
+            h = wait_for(c.healthz, 30, "Serve's proxy to answer /healthz", interval=0.3,
+                         ignore=(OSError, ServiceError, http.client.HTTPException))
+            assert h["source"] == "weight-store"
             with pytest.raises(ServiceError) as e:  # no training run with preferences on this cluster
                 c.feedback([("a", "b", 1.0)])
             assert e.value.status == 503 and "no preference actor" in e.value.message
@@ -295,44 +292,48 @@ def test_handle_path_follows_a_weight_store(tmp_path):
         with pytest.raises(Exception, match="micro must be"):
             handle.decide.remote(macro, micro[:, :2]).result()
         ray.get(store.put.remote(5, state_to_numpy(net5)))
-        deadline = time.time() + 30
-        while (r := handle.decide.remote(macro, micro).result())["version"] != 5 and time.time() < deadline:
-            time.sleep(0.2)
-        assert r["version"] == 5
+
+        def decided(version: int):
+            r = handle.decide.remote(macro, micro).result()
+            return r if r["version"] == version else None
+
+        r = wait_for(lambda: decided(5), 30, "the deployment to decide with version 5")
         np.testing.assert_array_equal(r["actions"], q_of(net5, macro, micro).argmax(-1))
         # the run ends (its store is killed) and a new run registers a store starting at v1
         ray.kill(store, no_restart=True)
-        time.sleep(1.0)
+        wait_for(lambda: not _named_actor_exists(WEIGHT_STORE_NAME, NAMESPACE), 30,
+                 "the killed store's name to be free")
         store2 = remote_store_class().options(name=WEIGHT_STORE_NAME, namespace=NAMESPACE).remote(
             {"net": dataclasses.asdict(NET)})
         ray.get(store2.put.remote(1, state_to_numpy(net3)))
-        deadline = time.time() + 30
-        while (r := handle.decide.remote(macro, micro).result())["version"] != 1 and time.time() < deadline:
-            time.sleep(0.3)
-        assert r["version"] == 1
+        r = wait_for(lambda: decided(1), 30, "the deployment to follow the new store to version 1", interval=0.3)
         np.testing.assert_allclose(r["q"], q_of(net3, macro, micro), rtol=1e-5, atol=1e-5)
         # redeployed without a feedback token: every feedback call is refused, whatever it sends
         start(ServeOptions(follow=True, replica_cpus=0.5, reload_s=0.3), port=port)
         with DecisionClient(f"http://127.0.0.1:{port}", token="t") as c:
-            deadline = time.time() + 30
-            while True:
-                try:
-                    with pytest.raises(ServiceError) as e:
-                        c.feedback([("a", "b", 1.0)])
-                    if e.value.status == 503 and time.time() < deadline:  # the old replica still answers
-                        time.sleep(0.3)
-                        continue
-                    break
-                except (OSError, http.client.HTTPException):
-                    if time.time() > deadline:
-                        raise
-                    time.sleep(0.3)
-            assert e.value.status == 403 and "feedback is disabled" in e.value.message
+            def refused():
+                with pytest.raises(ServiceError) as e:
+                    c.feedback([("a", "b", 1.0)])
+                return None if e.value.status == 503 else e.value  # 503: the old replica still answers
+
+            err = wait_for(refused, 30, "the redeployed replica (no feedback token) to answer /v1/feedback",
+                           interval=0.3, ignore=(OSError, http.client.HTTPException))
+            assert err.status == 403 and "feedback is disabled" in err.message
         serve.shutdown()
     finally:
         ray.shutdown()
 
 
+def _named_actor_exists(name: str, namespace: str) -> bool:
+    import ray
+    try:
+        ray.get_actor(name, namespace=namespace)
+        return True
+    except ValueError:
+        return False
+
+
+@pytest.mark.ray
 def test_concurrent_requests_are_batched_and_each_gets_its_own_answer(server):
     """8 clients at once: some requests share a forward pass (X-Batch-Requests > 1), and every
     answer is the checkpoint's Q for that request's own observations."""
@@ -365,6 +366,7 @@ def test_concurrent_requests_are_batched_and_each_gets_its_own_answer(server):
         np.testing.assert_allclose(q, q_of(server["nets"][version], macro, micro), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.ray
 def test_fuzzed_bodies_over_http_never_get_a_5xx_or_take_the_service_down(server):
     """Random documents and bytes against the live endpoints (both content types, with and
     without the token): every answer is below 500, and the service still decides after."""

@@ -46,13 +46,8 @@ def test_train_config_file_args(tmp_path, capsys):
 
 # -- a real sweep -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def ray_local():
-    import ray
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    ray.init(address="local", num_cpus=4, resources={"rollout": 8, "learner": 4}, include_dashboard=False,
-             log_to_driver=False)
-    yield ray
-    ray.shutdown()
+def ray_local_options():  # the module's cluster (conftest's ray_local) at this size
+    return {"num_cpus": 4, "resources": {"rollout": 8, "learner": 4}}
 
 
 ARGS = ["--preset", "smoke", "--trials", "2", "--minutes", "0.25", "--eval-every", "5", "--name", "smoke",
@@ -66,6 +61,7 @@ def swept(ray_local, tmp_path_factory):
     return storage / "smoke"
 
 
+@pytest.mark.ray
 def test_sweep_runs_two_trials_and_reports_reward_against_hpa(swept):
     rows = json.loads((swept / "results.json").read_text())["trials"]
     assert len(rows) == 2
@@ -88,6 +84,7 @@ def test_sweep_runs_two_trials_and_reports_reward_against_hpa(swept):
     assert all(math.isfinite(float(t["eval_reward"])) for t in table)
 
 
+@pytest.mark.ray
 def test_best_config_is_the_best_completed_trial_and_launch_train_reads_it(swept, tmp_path):
     rows = json.loads((swept / "results.json").read_text())["trials"]
     best = json.loads((swept / "best_config.json").read_text())
@@ -106,6 +103,7 @@ def test_best_config_is_the_best_completed_trial_and_launch_train_reads_it(swept
     assert cfg["agent"]["eps_base"] == best["agent.eps_base"]
 
 
+@pytest.mark.ray
 def test_resume_finds_the_finished_experiment_and_trains_nothing_again(swept, capsys):
     before = json.loads((swept / "results.json").read_text())["trials"]
     dirs = sorted(p.name for p in swept.iterdir() if p.name.startswith("run_trial"))

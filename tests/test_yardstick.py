@@ -63,6 +63,7 @@ def test_comparisons_with_too_few_windows_or_alike_settings_are_refused():
     ys.check_resolution({"rule": RULE, "a": alike}, 50_000)  # one rule that separates is enough
 
 
+@pytest.mark.slow
 def test_the_oracle_is_never_worse_than_every_rule_at_its_own_violation_rate(daily_trace):
     """On a test trace (two days, a daily cycle and bursts), the oracle's frontier lies below
     every rule's wherever both are defined, and its default point beats the best rule."""
