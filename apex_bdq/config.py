@@ -607,16 +607,16 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         for k in ("num_actors", "num_replay_shards", "num_learners", "max_in_flight", "weight_pull_every",
                   "publish_every"):
-            _check(getattr(self, k) >= 1, f"cluster.{k} (--{k.replace('_', '-')}) must be >= 1, got {getattr(self, k)}")
+            _check(getattr(self, k) >= 1, f"--{k.replace('_', '-')} must be >= 1 (cluster.{k}), got {getattr(self, k)}")
         _check(self.backend in BACKENDS, f"unknown backend {self.backend!r}: choose from {', '.join(BACKENDS)}")
         _check(self.shards_per_actor is None or self.shards_per_actor >= 1,
-               f"cluster.shards_per_actor (--shards-per-actor) must be >= 1, got {self.shards_per_actor}")
+               f"--shards-per-actor must be >= 1 (cluster.shards_per_actor), got {self.shards_per_actor}")
         _check(self.max_restarts >= -1,
-               f"cluster.max_restarts (--max-restarts) must be >= -1 (-1: no limit), got {self.max_restarts}")
+               f"--max-restarts must be >= -1 (-1: no limit; cluster.max_restarts), got {self.max_restarts}")
         _check(self.samples_per_insert is None or self.samples_per_insert > 0,
-               f"cluster.samples_per_insert (--samples-per-insert) must be > 0, got {self.samples_per_insert}")
+               f"--samples-per-insert must be > 0 (cluster.samples_per_insert), got {self.samples_per_insert}")
         _check(self.checkpoint_every_s > 0,
-               f"cluster.checkpoint_every_s (--checkpoint-every) must be > 0, got {self.checkpoint_every_s}")
+               f"--checkpoint-every must be > 0 (cluster.checkpoint_every_s), got {self.checkpoint_every_s}")
         check_snapshot_settings(self.replay_on_restart, self.replay_snapshot_every_s, self.replay_snapshot_dir)
 
     @property

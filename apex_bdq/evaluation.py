@@ -16,7 +16,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from apex_bdq.config import SimConfig
+from apex_bdq.config import SimConfig, TrainConfig
 from apex_bdq.sim import make_sim
 
 METRIC_KEYS = ("reward", "slo_violation_rate", "p99_ms", "utilisation", "cost", "drop_rate", "fairness")
@@ -174,3 +174,29 @@ def _group_metrics(g, G, R, K, ticks, warm, windows, split, described, v2, mean_
         m["busy_cost"] = float(busy_cost_s[sl].sum()) / n  # the same run if only busy replicas were billed
         m["offered_cost"] = float(offered_s[sl].sum()) / (n * mean_load)  # the floor: offered work only
     return m
+
+
+def evaluate_against_hpa(net, cfg: TrainConfig, ticks: Optional[int], shards: int, hpa_cache: dict,
+                         replicas: int = 1) -> dict:
+    """Greedy `net` and Kubernetes HPA on the held-out range, covered `replicas` times with
+    independent arrivals (HPA, deterministic for a config, is evaluated once per setting and
+    cached in `hpa_cache`)."""
+    import math
+    import statistics
+
+    from apex_bdq.checkpoint import GreedyPolicy
+    from apex_bdq.sim.baselines import HPA
+    learned = evaluate_policy(GreedyPolicy(net, cfg.agent.decision_ticks), cfg.sim, shards=shards, ticks=ticks,
+                              replicas=replicas).metrics
+    net.train()
+    key = (ticks, shards, replicas)
+    if key not in hpa_cache:
+        hpa_cache[key] = evaluate_policy(HPA(), cfg.sim, shards=shards, ticks=ticks, replicas=replicas).metrics
+    hpa = hpa_cache[key]
+    out = {"eval_reward": learned["reward"], "hpa_eval_reward": hpa["reward"],
+           "slo_violation_rate": learned["slo_violation_rate"],
+           "hpa_slo_violation_rate": hpa["slo_violation_rate"], "learned": learned, "hpa": hpa}
+    if replicas > 1:  # both met the same arrivals copy by copy: a paired standard error
+        d = [x - y for x, y in zip(learned["slo_violation_rate_per_replica"], hpa["slo_violation_rate_per_replica"])]
+        out["slo_violation_rate_diff_se"] = statistics.stdev(d) / math.sqrt(len(d))
+    return out

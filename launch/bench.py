@@ -377,8 +377,8 @@ def bench_apex(actor_counts: list[int], seconds: float, shards_per_actor: int, r
     import ray
 
     from apex_bdq.config import ClusterConfig
-    from launch.distributed import ApexRun, local_ray_init
-    from launch.train import PRESETS
+    from apex_bdq.ray_runner import ApexRun, local_ray_init
+    from apex_bdq.presets import PRESETS
     cfg = PRESETS["default"]
     cfg = dataclasses.replace(cfg, eval_every_s=1e9,
                               agent=dataclasses.replace(cfg.agent, learning_starts=2_000, replay_capacity=100_000))
@@ -539,7 +539,8 @@ def bench_preference(minutes: float, variants: list[str], extra: list[str], seed
     import tempfile
 
     from apex_bdq.config import apply_overrides
-    from launch.train import PRESETS, LocalTrainer
+    from apex_bdq.local_runner import LocalTrainer
+    from apex_bdq.presets import PRESETS
     base = dc.replace(PRESETS["default"], minutes=minutes, seed=seed)
     rows = {}
     for name in variants:
@@ -652,7 +653,7 @@ def main(argv: list[str] | None = None) -> int:
         import ray
 
         from apex_bdq.config import ClusterConfig
-        from launch.distributed import local_ray_init
+        from apex_bdq.ray_runner import local_ray_init
         local_ray_init(ClusterConfig(), None, include_dashboard=False, log_to_driver=False)
         try:
             res = _route_ms(a.batch, repeats=200)

@@ -61,7 +61,7 @@ def write_random_checkpoint(path: Path) -> None:
 
     from apex_bdq.checkpoint import config_to_dict, save_checkpoint
     from apex_bdq.networks import BDQNetwork
-    from launch.train import PRESETS
+    from apex_bdq.presets import PRESETS
     cfg = PRESETS["default"]  # the network `make run` trains and users serve
     net_cfg = cfg.net
     torch.manual_seed(0)

@@ -105,7 +105,7 @@ def check_ipc() -> dict:
 
 
 def check_learner() -> dict:
-    from launch.train import PRESETS
+    from apex_bdq.presets import PRESETS
     from apex_bdq.messages import SampledBatch
     from learner.learner import Learner
     cfg = PRESETS["default"]
@@ -132,8 +132,8 @@ def check_ray_ddp(tmp: str) -> dict:
     import dataclasses
 
     from apex_bdq.config import ClusterConfig
-    from launch.distributed import ApexRun, local_ray_init
-    from launch.train import PRESETS
+    from apex_bdq.ray_runner import ApexRun, local_ray_init
+    from apex_bdq.presets import PRESETS
     spec = ClusterConfig(num_actors=2, num_replay_shards=1, num_learners=1, use_gpu=True, replay_gpus=0.25,
                        storage_path=tmp, checkpoint_every_s=1e9)
     local_ray_init(spec, None, include_dashboard=False, log_to_driver=False, num_gpus=1)

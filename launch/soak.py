@@ -65,7 +65,7 @@ class SoakOptions:
 
 def soak_config(o: SoakOptions):
     from apex_bdq.config import apply_overrides
-    from launch.train import PRESETS
+    from apex_bdq.presets import PRESETS
     cfg = apply_overrides(PRESETS["smoke"], [
         f"agent.replay_capacity={o.replay_capacity}", "pref.enabled=true", "pref.segment_decisions=4",
         "pref.min_pairs=4", "pref.batch_pairs=4", "pref.oracle_pairs=400", f"seed={o.seed}"])
@@ -259,7 +259,7 @@ class Soak:
     def execute(self) -> dict:
         import ray
         from apex_bdq.config import ClusterConfig
-        from launch.distributed import ApexRun, local_ray_init
+        from apex_bdq.ray_runner import ApexRun, local_ray_init
         o = self.o
         cfg = soak_config(o)
         spec = ClusterConfig(num_actors=o.num_actors, num_replay_shards=o.num_replay_shards, num_learners=1,

@@ -118,7 +118,7 @@ def trial_cluster(config: dict) -> dict:
 def trial_train_config(config: dict) -> TrainConfig:
     """The TrainConfig a trial runs: preset, trace, seed, overrides, then the sweep's own budget
     and evaluation cadence (which `best_config.json` leaves out)."""
-    from launch.train import PRESETS
+    from apex_bdq.presets import PRESETS
     fixed = config["fixed"]
     cfg = PRESETS[fixed["preset"]]
     if fixed.get("seed") is not None:
@@ -181,8 +181,8 @@ def run_trial(config: dict) -> None:
     from ray import tune
 
     from apex_bdq.config import ClusterConfig
-    from launch.distributed import ApexRun, copy_checkpoint
-    from launch.train import evaluate_against_hpa
+    from apex_bdq.ray_runner import ApexRun, copy_checkpoint
+    from apex_bdq.evaluation import evaluate_against_hpa
     torch.set_num_threads(1)  # the trial shares its cores with the actors and the learner
     fixed = config["fixed"]
     cfg = trial_train_config(config)
@@ -354,7 +354,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--quiet", action="store_true")
     a = ap.parse_args(argv)
 
-    from launch.train import PRESETS
+    from apex_bdq.presets import PRESETS
     if a.preset not in PRESETS:
         print(f"error: unknown preset {a.preset!r} (choose from {', '.join(sorted(PRESETS))})", file=sys.stderr)
         return 2

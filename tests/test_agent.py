@@ -11,6 +11,8 @@ from actors.rollout import RolloutWorker
 from apex_bdq.checkpoint import CheckpointError, load_checkpoint, load_policy
 from apex_bdq.config import AgentConfig, ConfigError, NetConfig, SimConfig, TrainConfig, apply_overrides
 from apex_bdq.nstep import NStepAccumulator
+from apex_bdq.local_runner import LocalTrainer
+from apex_bdq.presets import PRESETS
 from launch import evaluate, train
 from apex_bdq.messages import SampledBatch
 from learner.learner import Learner
@@ -116,7 +118,7 @@ def test_smoke_training_writes_json_checkpoint_and_evaluates(tmp_path, capsys):
     m = json.loads(ev.read_text())["policies"][f"checkpoint:{ck}"]
     assert np.isfinite(m["reward"])
     # Resume continues the counters.
-    trainer = train.LocalTrainer(train.PRESETS["smoke"])
+    trainer = LocalTrainer(PRESETS["smoke"])
     trainer.resume(ck)
     assert trainer.learner.updates == res["updates"] and trainer.decisions > 0
 
@@ -134,15 +136,15 @@ def test_checkpoint_errors_name_the_problem(tmp_path, capsys):
         load_policy(other)
     # A checkpoint trained on platform v1 (D = 4) does not act on v2 (D = 9), and says why ...
     v1 = SimConfig(platform="v1", num_shards=4)
-    cfg = dataclasses.replace(train.PRESETS["smoke"], sim=v1, net=None)
-    t = train.LocalTrainer(cfg)
+    cfg = dataclasses.replace(PRESETS["smoke"], sim=v1, net=None)
+    t = LocalTrainer(cfg)
     ck = tmp_path / "v1.pt"
     t.checkpoint(ck)
     with pytest.raises(CheckpointError, match="trained on platform v1, this run's platform is v2"):
         load_policy(ck, SimConfig())
     assert load_policy(ck, v1).platform == "v1"
     with pytest.raises(CheckpointError, match="trained with network"):
-        train.LocalTrainer(train.PRESETS["smoke"]).resume(ck)
+        LocalTrainer(PRESETS["smoke"]).resume(ck)
     # ... a checkpoint saved before platform v2 existed (no `platform` field) is a v1 one ...
     old = torch.load(ck, weights_only=True)
     del old["config"]["sim"]["platform"]
@@ -157,7 +159,7 @@ def test_checkpoint_errors_name_the_problem(tmp_path, capsys):
     assert "trained on platform v1" in capsys.readouterr().err
     # ... and does not put checkpoints of different platforms in one table.
     smoke_ck = tmp_path / "smoke.pt"
-    train.LocalTrainer(train.PRESETS["smoke"]).checkpoint(smoke_ck)
+    LocalTrainer(PRESETS["smoke"]).checkpoint(smoke_ck)
     assert evaluate.main(["--policy", f"checkpoint:{ck},checkpoint:{smoke_ck}", "--quiet"]) == 2
     assert "trained on different platforms (sim fields platform" in capsys.readouterr().err
 
@@ -208,7 +210,7 @@ def test_one_step_returns_cross_an_episode_end():
 def test_slo_penalty_charges_broken_class_windows_in_the_training_reward():
     """agent.slo_penalty: the same seed and actions give the same transitions, except that
     each broken class-window costs the penalty in the reward replay receives."""
-    cfg = train.PRESETS["smoke"]
+    cfg = PRESETS["smoke"]
     sim = cfg.sim
     net = Learner(cfg.net, cfg.agent).net
     w1 = RolloutWorker(sim, dataclasses.replace(cfg.agent, slo_penalty=50.0), net, seed=3)
@@ -229,12 +231,12 @@ def test_initial_policy_default_starts_from_the_platforms_default_setting():
     platform's default setting on any observation (the local learner and the Ape-X
     driver's version 0 alike), and the first updates still move the zeroed output layer."""
     from apex_bdq.sim.baselines import default_action
-    from launch.distributed import initial_weights
-    base = train.PRESETS["smoke"]
+    from apex_bdq.ray_runner import initial_weights
+    base = PRESETS["smoke"]
     cfg = dataclasses.replace(base, agent=dataclasses.replace(base.agent, initial_policy="default"))
     want = default_action(cfg.sim)
     assert want == (2,) * 4 + (4,) * 4 + (0,)  # v2: middle plan factor and HPA's 300-s hold per class, admit all
-    tr = train.LocalTrainer(cfg)
+    tr = LocalTrainer(cfg)
     g = torch.Generator().manual_seed(0)
     macro = torch.randn(64, cfg.net.macro_features, generator=g) * 3
     micro = torch.randn(64, cfg.net.num_classes, cfg.net.history, cfg.net.micro_features, generator=g) * 3
@@ -245,7 +247,7 @@ def test_initial_policy_default_starts_from_the_platforms_default_setting():
     for k, v in tr.learner.net.state_dict().items():
         np.testing.assert_array_equal(v.numpy(), v0[k])
     # Without it, the same seed's random init picks something else on some branch.
-    plain = train.LocalTrainer(base)
+    plain = LocalTrainer(base)
     with torch.no_grad():
         assert (plain.learner.net(macro, micro).argmax(-1) != torch.tensor(want)).any()
     while tr.learner.updates < 3:
@@ -258,7 +260,7 @@ def test_initial_policy_default_starts_from_the_platforms_default_setting():
 
 
 def test_overrides_of_nested_sections_name_the_problem():
-    base = train.PRESETS["smoke"]
+    base = PRESETS["smoke"]
     assert apply_overrides(base, ["sim.trace.validation_fraction=0.2"]).sim.trace.validation_fraction == 0.2
     with pytest.raises(ConfigError, match=r"TraceConfig has no field 'nope'"):
         apply_overrides(base, ["sim.trace.nope=1"])
@@ -271,7 +273,7 @@ def test_saved_configs_load_without_the_removed_experiments(tmp_path):
     when they were off; one trained with an experiment on is refused, naming it."""
     from apex_bdq.checkpoint import config_to_dict, save_checkpoint
     from apex_bdq.config import train_config_from_dict
-    cfg = train.PRESETS["smoke"]
+    cfg = PRESETS["smoke"]
     old = config_to_dict(cfg)  # the fields as a1f8305 saved them, at their defaults
     old["net"]["quantiles"] = 0
     old["agent"].update(slo_burn_penalty=0.0, slo_burn_cap=0.5, slo_target_vs_hpa=None, slo_penalty_step=0.3,
@@ -280,7 +282,7 @@ def test_saved_configs_load_without_the_removed_experiments(tmp_path):
     old.update(constraint_every_s=45.0, constraint_shards=32, constraint_replicas=2, constraint_ticks=3600,
                select_every_s=None, select_violation_vs_hpa=1.0)
     assert train_config_from_dict(old) == cfg
-    tr = train.LocalTrainer(cfg)
+    tr = LocalTrainer(cfg)
     ck = tmp_path / "old.pt"
     save_checkpoint(ck, old, tr.learner.state_dict(), {"decisions": 0, "env_steps": 0, "updates": 0, "history": []})
     assert load_policy(ck, cfg.sim).net.cfg == cfg.net

@@ -10,13 +10,13 @@ import torch
 from _util import wait_for
 
 from apex_bdq.checkpoint import load_policy
-from launch import train
+from apex_bdq.presets import PRESETS
 from apex_bdq.config import ClusterConfig
-from launch.distributed import ApexRun, copy_checkpoint, initial_weights
+from apex_bdq.ray_runner import ApexRun, copy_checkpoint, initial_weights
 
 pytestmark = pytest.mark.ray
 
-SMOKE = train.PRESETS["smoke"]
+SMOKE = PRESETS["smoke"]
 
 
 def _run(spec: ClusterConfig, tmp_path, minutes: float = 3.0, max_updates=40, cfg=SMOKE) -> dict:

@@ -12,14 +12,14 @@ import yaml
 
 from actors.rollout_actor import RolloutActor, actor_epsilons
 from apex_bdq.config import AgentConfig, ConfigError, apply_overrides
-from launch import train
+from apex_bdq.presets import PRESETS
 from replay_server.rate_limiter import RateLimiter
 from replay_server.replay import ReplayError
 from apex_bdq.messages import PriorityUpdate, TransitionBatch
 from replay_server.replay_actor import ReplayShard, ShardConfig, transition_fields
 
 ROOT = Path(__file__).resolve().parents[1]
-SMOKE = train.PRESETS["smoke"]
+SMOKE = PRESETS["smoke"]
 
 
 def test_rate_limiter_bounds_both_sides():
@@ -141,7 +141,7 @@ def _validate(cfg: dict) -> dict:
 
 
 def test_cluster_yaml_validates_and_declares_the_placement_resources():
-    from launch.distributed import LEARNER_RESOURCE, ROLLOUT_RESOURCE
+    from apex_bdq.ray_runner import LEARNER_RESOURCE, ROLLOUT_RESOURCE
     cfg = yaml.safe_load((ROOT / "cluster.yaml").read_text())
     c = _validate(cfg)
     types = c["available_node_types"]
@@ -210,7 +210,7 @@ def test_cluster_settings_are_part_of_the_config_tree():
     its checkpoints store); configs saved before it existed load with the defaults."""
     from apex_bdq.checkpoint import config_to_dict
     from apex_bdq.config import ClusterConfig, ConfigError, apply_overrides, train_config_from_dict
-    from launch.distributed import ApexRun
+    from apex_bdq.ray_runner import ApexRun
     cfg = apply_overrides(SMOKE, ["cluster.num_actors=3", "cluster.samples_per_insert=2"])
     assert cfg.cluster.num_actors == 3 and cfg.cluster.limiter_slack == 4096 * 2
     assert train_config_from_dict(config_to_dict(cfg)) == cfg

@@ -401,7 +401,8 @@ def test_exploration_draws_from_the_preference_softmax():
 # -- the local trainer with feedback -----------------------------------------------------
 @pytest.mark.slow
 def test_local_trainer_with_oracle_feedback(tmp_path):
-    from launch.train import PRESETS, LocalTrainer
+    from apex_bdq.local_runner import LocalTrainer
+    from apex_bdq.presets import PRESETS
     from apex_bdq.config import apply_overrides
     cfg = apply_overrides(PRESETS["smoke"], ["pref.enabled=true", "pref.segment_decisions=4", "pref.min_pairs=4",
                                              "pref.batch_pairs=4", "pref.oracle_pairs=40", "pref.shaping=0.1",
@@ -472,7 +473,7 @@ def test_preference_fit_benchmark_on_a_log(tmp_path):
     assert dense["training_pairs"] == 500 and dense["dense"] == 500
     other = NetConfig.for_sim(SimConfig(history=4), preference_ensemble=3)  # another observation shape
     from apex_bdq.checkpoint import config_to_dict, save_checkpoint
-    from launch.train import PRESETS
+    from apex_bdq.presets import PRESETS
     smoke = PRESETS["smoke"]
     save_checkpoint(tmp_path / "other.pt",
                     config_to_dict(dataclasses.replace(smoke, sim=smoke.sim.replace(history=4), net=other)),

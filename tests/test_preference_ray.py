@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 from _util import wait_for
 
-from launch import train
+from apex_bdq.presets import PRESETS
 from apex_bdq.config import ClusterConfig
-from launch.distributed import ApexRun
+from apex_bdq.ray_runner import ApexRun
 
 pytestmark = pytest.mark.ray
 
-SMOKE = train.PRESETS["smoke"]
+SMOKE = PRESETS["smoke"]
 
 
 def _run(spec: ClusterConfig, tmp_path, cfg, minutes: float = 3.0, max_updates=60) -> dict:
@@ -99,6 +99,6 @@ def test_feedback_cli_ranks_through_the_running_preference_actor(ray_local, tmp_
 
         st = wait_for(restarted, 60, "the restarted preference actor to have replayed the pair",
                       ignore=(ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError))
-        assert st["pairs"] == 1 and st["replayed_pairs"] == 1
+        assert st.pairs == 1 and st.replayed_pairs == 1
     finally:
         ray.kill(actor, no_restart=True)

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from apex_bdq.checkpoint import load_checkpoint
-from launch import train
+from apex_bdq.presets import PRESETS
 from apex_bdq.config import ClusterConfig
-from launch.distributed import ApexRun
+from apex_bdq.ray_runner import ApexRun
 
 pytestmark = pytest.mark.ray
 
@@ -39,7 +39,7 @@ def test_short_soak_recovers_every_kill_and_loses_no_feedback(ray_local, tmp_pat
 
 def _cfg(tmp_path):
     from apex_bdq.config import apply_overrides
-    cfg = apply_overrides(train.PRESETS["smoke"], ["pref.enabled=true", "pref.segment_decisions=4", "pref.min_pairs=4",
+    cfg = apply_overrides(PRESETS["smoke"], ["pref.enabled=true", "pref.segment_decisions=4", "pref.min_pairs=4",
                                                    "pref.batch_pairs=4", "pref.oracle_pairs=40"])
     return dataclasses.replace(cfg, pref=dataclasses.replace(cfg.pref, log_path=None))
 
@@ -84,7 +84,7 @@ def test_dead_rollout_actors_without_restarts_stop_the_run_with_the_reason(ray_l
     import threading
     import ray
     spec = ClusterConfig(num_actors=1, num_replay_shards=1, storage_path=str(tmp_path / "ray_train"), max_restarts=0)
-    run = ApexRun(dataclasses.replace(train.PRESETS["smoke"]), spec)
+    run = ApexRun(dataclasses.replace(PRESETS["smoke"]), spec)
     box = {}
 
     def go():
