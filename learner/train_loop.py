@@ -340,6 +340,7 @@ class LearnerWorker:
         self.compute_s = 0.0
         self.steps = 0  # steps of this incarnation
         self.last = StepResult(priorities=None, loss=float("nan"), grad_norm=float("nan"))
+        self.last_pref = (float("nan"), float("nan"))  # (loss, accuracy) of the last step that had a PreferenceBatch
         self.publishes = 0
         self._m_last = (0, 0)
         self.pref_batch, self.pref_next = None, None
@@ -382,8 +383,8 @@ class LearnerWorker:
         pre = self.source if isinstance(self.source, Prefetcher) else None
         waited = pre.wait_s if pre is not None else 0.0
         return LearnerReport(updates=self.learner.updates, version=self.learner.version, td_loss=self.last.loss,
-                             q_mean=self.last.q_mean, pref_loss=self.last.pref_loss,
-                             pref_accuracy=self.last.pref_accuracy, updates_per_s=self.steps / max(el, 1e-9),
+                             q_mean=self.last.q_mean, pref_loss=self.last_pref[0],
+                             pref_accuracy=self.last_pref[1], updates_per_s=self.steps / max(el, 1e-9),
                              learner_wait_share=waited / max(waited + self.compute_s, 1e-9),
                              sample_ms=pre.sample_ms if pre is not None else float("nan"), elapsed_s=el,
                              route=pre.source.route if pre is not None else self.source.route,
@@ -420,9 +421,9 @@ class LearnerWorker:
         M.record(M.LEARNER_UPDATES_PER_S, self.steps / max(el, 1e-9), "learner", r)
         M.record(M.TD_LOSS, self.last.loss, "learner", r)
         M.record(M.MEAN_Q, self.last.q_mean, "learner", r)
-        if self.use_pref and self.last.pref_loss == self.last.pref_loss:
-            M.record(M.PREF_LOSS, self.last.pref_loss, "learner", r)
-            M.record(M.PREF_ACCURACY, self.last.pref_accuracy, "learner", r)
+        if self.use_pref and self.last_pref[0] == self.last_pref[0]:
+            M.record(M.PREF_LOSS, self.last_pref[0], "learner", r)
+            M.record(M.PREF_ACCURACY, self.last_pref[1], "learner", r)
         pre = self.source if isinstance(self.source, Prefetcher) else None
         if pre is not None and pre.sample_ms == pre.sample_ms:
             M.record(M.SAMPLE_LATENCY_MS, pre.sample_ms, "learner", r)
@@ -469,6 +470,8 @@ class LearnerWorker:
                 tc = time.perf_counter()
                 self.last = self.learner.step(batch, self.preference_batch(), where=f"on rank {self.rank}")
                 self.compute_s += time.perf_counter() - tc
+                if self.last.pref_loss == self.last.pref_loss:
+                    self.last_pref = (self.last.pref_loss, self.last.pref_accuracy)
                 self.source.update(batch.update(self.last.priorities))
                 self.steps += 1
                 if self.learner.updates % lc.publish_every == 0:
