@@ -21,9 +21,9 @@ from typing import Optional
 import numpy as np
 import torch
 
-from actors.rollout import RolloutWorker
 from apex_bdq.config import ClusterConfig, TrainConfig, train_config_from_dict
 from apex_bdq.networks import BDQNetwork
+from apex_bdq.system import make_components
 from apex_bdq.messages import ActorStats, TransitionBatch, WeightPoll
 
 
@@ -63,9 +63,9 @@ class RolloutActor:
         self.net.eval()
         seed = self.cfg.seed + 7919 * (actor_id + 1)
         self.preference = preference if self.cfg.pref.enabled else None
-        self.worker = RolloutWorker(self.cfg.sim, self.cfg.agent, self.net, epsilons=self.eps, seed=seed,
-                                    pref_cfg=self.cfg.pref if self.preference is not None else None,
-                                    source=f"actor{actor_id}")
+        self.worker = make_components(self.cfg).rollout(self.net, epsilons=self.eps, seed=seed,
+                                                        source=f"actor{actor_id}",
+                                                        preferences=self.preference is not None)
         self.segments_in_flight: list = []
         self.segments_sent = 0
         self.shards = list(replay_shards)

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import time
 from pathlib import Path
@@ -20,6 +21,7 @@ from apex_bdq.checkpoint import CheckpointError, config_to_dict, load_checkpoint
 from apex_bdq.config import TrainConfig, train_config_from_dict
 from apex_bdq.evaluation import evaluate_against_hpa
 from apex_bdq.messages import SampledBatch
+from apex_bdq.system import make_components
 
 
 class LocalTrainer:
@@ -30,34 +32,27 @@ class LocalTrainer:
         """feedback_log: the preference actor's durable log (with `pref.enabled`; default
         `pref.log_path`, else runs/feedback/local-<time>.log). heldout_every: keep every k-th
         oracle pair out of training (for the held-out ranking accuracy)."""
-        from actors.rollout import RolloutWorker
-        from learner.learner import Learner
-        from replay_server.replay import PrioritizedReplay
-        from replay_server.replay_actor import transition_fields
         self.cfg = cfg
         torch.set_num_threads(cfg.torch_threads)
-        a = cfg.agent
-        # Learner: online + target BDQ networks and the optimiser.
+        parts = make_components(cfg)
         p = cfg.pref
-        self.learner = Learner(cfg.net, a, device=device, seed=cfg.seed, pref_beta=p.beta if p.enabled else 0.0,
-                               sim_cfg=cfg.sim)
+        # Learner: online + target BDQ networks and the optimiser (the plain backend).
+        self.learner = parts.learner(device=device)
         # Rollout: S shards acting with the learner's own network (in one process the copy
         # is the same object; after every tick with updates the worker drops its cached
         # Q-values, so it acts on current weights: version lag 0). With preferences on it
         # also cuts segments for the preference actor.
-        self.rollout = RolloutWorker(cfg.sim, a, self.learner.net, seed=cfg.seed, pref_cfg=p, source="local")
+        self.rollout = parts.rollout(self.learner.net, source="local")
         # Preference actor: segments in, ranked pairs (oracle, people) out to the learner;
         # every accepted pair is in the durable log before it counts.
         self.pref = None
         self.pref_active = False
         if p.enabled:
-            from actors.preference_actor import PreferenceActor
-            log = feedback_log or p.log_path or f"runs/feedback/local-{time.strftime('%Y%m%d-%H%M%S')}.log"
-            self.pref = PreferenceActor(cfg.net, p, log, seed=cfg.seed, heldout_every=heldout_every)
+            log = os.path.abspath(feedback_log) if feedback_log else parts.feedback_log(prefix="local")
+            self.pref = parts.preference(log, heldout_every)
             self.pref.net = self.learner.net  # same process: disagreement under the current weights
         # Replay: transitions with initial priorities from the rollout, sampled by the learner.
-        self.replay = PrioritizedReplay(a.replay_capacity, transition_fields(cfg.net), device=device, alpha=a.alpha,
-                                        beta0=a.beta0, beta_steps=a.beta_steps, seed=cfg.seed)
+        self.replay = parts.replay(device)
         self.decisions = 0
         self.update_credit = 0.0
         self.history: list[dict] = []  # learning curve: one row per evaluation

@@ -28,6 +28,7 @@ from typing import Callable, Optional
 
 from apex_bdq.checkpoint import CheckpointError, load_checkpoint
 from apex_bdq.config import ClusterConfig, TrainConfig
+from apex_bdq.system import make_components
 from apex_bdq.messages import ActorStats, StoreStatus
 
 ROLLOUT_RESOURCE = "rollout"
@@ -92,35 +93,26 @@ class ApexRun:
             return {}  # a cluster without the node types of cluster.yaml: place by CPU only
         return {name: 0.001}
 
-    def _actor_cfg(self) -> TrainConfig:
-        s = self.spec
-        per = s.shards_per_actor or max(1, self.cfg.sim.num_shards // s.num_actors)
-        return dataclasses.replace(self.cfg, sim=self.cfg.sim.replace(num_shards=per))
-
     def start(self) -> None:
         import ray
         from actors.rollout_actor import remote_actor_class
         from apex_bdq.checkpoint import config_to_dict
         from learner.weight_store import remote_store_class
-        from replay_server.replay_actor import ShardConfig, remote_shard_class, transition_fields
-        s, a = self.spec, self.cfg.agent
+        from replay_server.replay_actor import remote_shard_class
+        s, parts = self.spec, make_components(self.cfg)
+        # Weight store: versioned weights out to the actors (and Serve), the stop flag, the
+        # learner's reports.
         self.store = self._weight_store(remote_store_class(max_restarts=s.max_restarts))
-        per_shard = max(a.batch_size, a.replay_capacity // s.num_replay_shards)
-        device = "cuda" if s.use_gpu and s.replay_gpus > 0 else "cpu"
-        snap = os.path.abspath(s.replay_snapshot_dir) if s.replay_snapshot_dir else None
-        self.shard_cfg = ShardConfig(capacity=per_shard, alpha=a.alpha, beta0=a.beta0, beta_steps=a.beta_steps,
-                                     min_size=max(a.batch_size, a.learning_starts // s.num_replay_shards),
-                                     samples_per_insert=s.samples_per_insert, error_buffer=s.limiter_slack,
-                                     device=device, seed=self.cfg.seed, fields=transition_fields(self.cfg.net),
-                                     snapshot_dir=snap, snapshot_every_s=s.replay_snapshot_every_s,
-                                     on_restart=s.replay_on_restart,
-                                     load_snapshot=self.resume is not None and snap is not None)
-        Shard = remote_shard_class(num_cpus=s.replay_cpus, num_gpus=s.replay_gpus if device == "cuda" else 0.0,
+        # Replay shards on the learner nodes: the learner attaches to their memory in place.
+        self.shard_cfg = parts.shard_config(s, resume=self.resume is not None)
+        Shard = remote_shard_class(num_cpus=s.replay_cpus,
+                                   num_gpus=s.replay_gpus if self.shard_cfg.device == "cuda" else 0.0,
                                    resources=self._placement("learner"), max_restarts=s.max_restarts)
         self.shards = [Shard.remote(i, self.shard_cfg) for i in range(s.num_replay_shards)]
         ray.get([sh.ready.remote() for sh in self.shards])
         self.specs = ray.get([sh.shared_spec.remote() for sh in self.shards])
-        actor_cfg = config_to_dict(self._actor_cfg())
+        # Rollout actors on the rollout nodes, each with its share of the simulated shards.
+        actor_cfg = config_to_dict(parts.actor_config(s))
         Actor = remote_actor_class(num_cpus=s.actor_cpus, resources=self._placement("rollout"),
                                    max_restarts=s.max_restarts)
         # Preference actor (pref.enabled): segments from the actors, ranked pairs (oracle, the
@@ -128,9 +120,7 @@ class ApexRun:
         self.pref = None
         if self.cfg.pref.enabled:
             from actors.preference_actor import NAMESPACE, PREFERENCE_ACTOR_NAME, remote_preference_class
-            resumed_log = (self.resume or {}).get("counters", {}).get("feedback_log")
-            log = os.path.abspath(self.cfg.pref.log_path or resumed_log or  # a resume keeps adding to its log
-                                  os.path.join("runs", "feedback", f"apex-{time.strftime('%Y%m%d-%H%M%S')}.log"))
+            log = parts.feedback_log((self.resume or {}).get("counters", {}).get("feedback_log"), prefix="apex")
             self.feedback_log = log
             Pref = remote_preference_class(max_restarts=-1)  # it replays its log: restarting loses nothing
             self.pref = Pref.options(name=PREFERENCE_ACTOR_NAME, namespace=NAMESPACE, num_cpus=0,
@@ -145,7 +135,7 @@ class ApexRun:
             state = {k: t.detach().cpu().numpy().copy() for k, t in self.resume["learner"]["net"].items()}
             version = int(self.resume["learner"].get("version", self.resume["learner"].get("updates", 0)))
         else:
-            state, version = initial_weights(self.cfg), 0
+            state, version = parts.initial_weights(), 0
         ray.get(self.store.put.remote(version, state))
         self.actor_runs = [act.run.remote() for act in self.actors]
 
@@ -424,15 +414,8 @@ class ApexRun:
 
 
 def initial_weights(cfg: TrainConfig) -> dict:
-    """The learner's initial network as numpy arrays: `train_loop_per_worker` seeds torch with
-    cfg.seed before it builds the network, and so does this."""
-    import torch
-    from apex_bdq.networks import BDQNetwork
-    from learner.learner import apply_initial_policy
-    with torch.random.fork_rng(devices=[]):  # the caller's torch RNG is left as it was
-        torch.manual_seed(cfg.seed)
-        net = apply_initial_policy(BDQNetwork(cfg.net), cfg.agent, cfg.sim)
-        return {k: v.detach().numpy().copy() for k, v in net.state_dict().items()}
+    """The learner's initial network as numpy arrays (version 0 of the published weights)."""
+    return make_components(cfg).initial_weights()
 
 
 def copy_checkpoint(result, dest: str | Path) -> Optional[Path]:

@@ -33,7 +33,8 @@ from apex_bdq.checkpoint import config_to_dict, save_checkpoint
 from apex_bdq.config import train_config_from_dict
 from apex_bdq.messages import LearnerLoopConfig, LearnerReport, PriorityUpdate, SampledBatch
 from apex_bdq.ray_util import answers
-from learner.learner import Learner, StepResult
+from apex_bdq.system import make_components
+from learner.learner import StepResult
 from replay_server.rate_limiter import RateLimiter
 from replay_server.replay import PrioritizedReplay
 
@@ -304,10 +305,9 @@ class LearnerWorker:
         # The network, seeded with cfg.seed on every rank (same initial weights) or resumed,
         # the backend around it and the target copy: the same Learner as the one-process
         # trainer. Weights load before the backend wraps them (DeepSpeed keeps its own copy).
-        self.learner = Learner(cfg.net, cfg.agent, device=device, seed=cfg.seed,
-                               pref_beta=cfg.pref.beta if self.use_pref else 0.0, sim_cfg=cfg.sim,
-                               backend=lc.backend, micro_batch=self.per_worker, keep_pref_head=self.use_pref,
-                               net_state=resume["learner"]["net"] if resume else None)
+        self.learner = make_components(cfg).learner(device=device, backend=lc.backend, micro_batch=self.per_worker,
+                                                    keep_pref_head=self.use_pref,
+                                                    net_state=resume["learner"]["net"] if resume else None)
         if resume:
             # Another backend's optimiser layout (ZeRO-2 checkpoints keep none) starts afresh.
             self.learner.load_state_dict(resume["learner"], strict_optimizer=False)

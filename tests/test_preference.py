@@ -407,7 +407,7 @@ def test_local_trainer_with_oracle_feedback(tmp_path):
     cfg = apply_overrides(PRESETS["smoke"], ["pref.enabled=true", "pref.segment_decisions=4", "pref.min_pairs=4",
                                              "pref.batch_pairs=4", "pref.oracle_pairs=40", "pref.shaping=0.1",
                                              "pref.warmup_updates=5", "pref.update_every=1", "max_env_ticks=400",
-                                             "pref.oracle_pairs_per_min=6000"])
+                                             "pref.oracle_pairs_per_min=6000", "minutes=2"])  # max_env_ticks ends it
     assert cfg.net.preference_ensemble == 3
     log = str(tmp_path / "run.log")
     tr = LocalTrainer(cfg, feedback_log=log, heldout_every=5)
