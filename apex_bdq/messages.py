@@ -277,7 +277,7 @@ class LearnerLoopConfig:
     shard_cfg: Any = None
     store: Any = None  # the WeightStore handle
     preference: Any = None  # the PreferenceActor handle (pref.enabled)
-    minutes: float = 9.0
+    minutes: Optional[float] = None  # None: cfg.minutes
     max_updates: Optional[int] = None
     publish_every: int = 50
     checkpoint_every_s: float = 60.0

@@ -135,7 +135,7 @@ def check_ray_ddp(tmp: str) -> dict:
     from apex_bdq.ray_runner import ApexRun, local_ray_init
     from apex_bdq.presets import PRESETS
     spec = ClusterConfig(num_actors=2, num_replay_shards=1, num_learners=1, use_gpu=True, replay_gpus=0.25,
-                       storage_path=tmp, checkpoint_every_s=1e9)
+                       storage_path=tmp, checkpoint_every_s=1e9, max_restarts=0)  # fail fast: device time is scarce
     local_ray_init(spec, None, include_dashboard=False, log_to_driver=False, num_gpus=1)
     cfg = dataclasses.replace(PRESETS["smoke"], minutes=0.3)
     run = ApexRun(cfg, spec)

@@ -243,7 +243,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         if a.resume:
             resume_ck = load_checkpoint(a.resume)
         if a.preset is None and resume_ck is not None:
-            cfg = train_config_from_dict(resume_ck["config"])  # the run it continues, unless told otherwise
+            # The run it continues, unless told otherwise; its recorded cluster layout belongs
+            # to the machines it ran on, so the layout comes from the defaults and the flags.
+            cfg = dataclasses.replace(train_config_from_dict(resume_ck["config"]), cluster=ClusterConfig())
         else:
             cfg = PRESETS[a.preset or "default"]
     except (ConfigError, CheckpointError, KeyError, TypeError, ValueError) as e:
@@ -266,8 +268,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             # The flags given set the config tree's cluster section (the preset's, or the
             # resumed run's, or --set cluster.NAME=VALUE); the run's checkpoints record it.
             given = {field: getattr(a, attr) for attr, field in CLUSTER_FLAGS if getattr(a, attr) is not None}
-            if a.use_gpu:
-                given.update(use_gpu=True, replay_gpus=0.25)
+            if a.use_gpu:  # replay storage on the GPU too, a quarter of one per shard unless set
+                given.update(use_gpu=True, replay_gpus=cfg.cluster.replay_gpus or 0.25)
             for attr, field in (("storage_path", "storage_path"), ("checkpoint", "checkpoint_path")):
                 if getattr(a, attr):
                     given[field] = os.path.abspath(getattr(a, attr))

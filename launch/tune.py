@@ -180,7 +180,6 @@ def run_trial(config: dict) -> None:
     import torch
     from ray import tune
 
-    from apex_bdq.config import ClusterConfig
     from apex_bdq.ray_runner import ApexRun, copy_checkpoint
     from apex_bdq.evaluation import evaluate_against_hpa
     torch.set_num_threads(1)  # the trial shares its cores with the actors and the learner
@@ -190,9 +189,9 @@ def run_trial(config: dict) -> None:
     ctx = tune.get_context()
     trial_dir = Path(ctx.get_trial_dir() or tempfile.mkdtemp(prefix="apex_bdq_trial_"))
     work = Path(tempfile.mkdtemp(prefix=f"apex_bdq_tune_{ctx.get_trial_id()}_"))
-    spec = ClusterConfig(num_actors=cl["num_actors"], num_learners=cl["num_learners"], backend=cl["backend"],
-                       num_replay_shards=fixed["num_replay_shards"], actor_cpus=fixed["actor_cpus"],
-                       learner_cpus=fixed["learner_cpus"], storage_path=str(work / "ray_train"))
+    spec = cfg.cluster.replace(num_actors=cl["num_actors"], num_learners=cl["num_learners"], backend=cl["backend"],
+                               num_replay_shards=fixed["num_replay_shards"], actor_cpus=fixed["actor_cpus"],
+                               learner_cpus=fixed["learner_cpus"], storage_path=str(work / "ray_train"))
     run = ApexRun(cfg, spec)
     hpa_cache: dict = {}
     reported = [0]

@@ -329,7 +329,7 @@ class LearnerWorker:
             self.source = Prefetcher(src, self.per_worker, self.learner.device, depth=lc.prefetch)
         # The time budget runs from the first group's start; a restarted group stops when the
         # first one would have (the weight store keeps the deadline).
-        self.deadline = time.time() + float(lc.minutes) * 60.0
+        self.deadline = time.time() + float(cfg.minutes if lc.minutes is None else lc.minutes) * 60.0
         if self.store is not None:
             try:
                 self.deadline = float(ray.get(self.store.deadline.remote(self.deadline), timeout=60))
