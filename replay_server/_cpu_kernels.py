@@ -258,6 +258,31 @@ _module = None
 _failed = False
 
 
+_NAME = "apex_bdq_replay_v8"
+STALE_LOCK_S = 300.0
+"""A build lock older than this is a dead process's (the build takes well under a minute)."""
+
+
+def _clear_stale_build_lock(name: str) -> None:
+    """torch's JIT build takes a lock file in the build directory on every load, and a later
+    load waits for it forever: a process killed while loading (`ray stop --force` during a
+    worker's start-up) leaves every replay sample of every later run hanging. A lock older
+    than STALE_LOCK_S is removed, with a warning."""
+    import time
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+        lock = os.path.join(_get_build_directory(name, verbose=False), "lock")
+        age = time.time() - os.path.getmtime(lock)
+    except (ImportError, OSError):
+        return  # no lock (the usual case), or a torch without the helper
+    if age > STALE_LOCK_S:
+        log.warning("removing a stale torch extension build lock %s (%.0f s old: its process died)", lock, age)
+        try:
+            os.unlink(lock)
+        except OSError:
+            pass
+
+
 def kernels():
     """The compiled module, or None when it cannot be built (set APEX_BDQ_NO_CPP=1 to skip)."""
     global _module, _failed
@@ -270,8 +295,8 @@ def kernels():
         if _module is None and not _failed:
             try:
                 from torch.utils.cpp_extension import load_inline
-                _module = load_inline(name="apex_bdq_replay_v8", cpp_sources=[_SRC], extra_cflags=["-O3"],
-                                      verbose=False)
+                _clear_stale_build_lock(_NAME)
+                _module = load_inline(name=_NAME, cpp_sources=[_SRC], extra_cflags=["-O3"], verbose=False)
             except Exception as e:  # no compiler, no ninja, ...: fall back to tensor ops
                 log.warning("sum tree C++ kernels unavailable, using tensor operations on CPU: %s", e)
                 _failed = True

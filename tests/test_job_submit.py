@@ -61,9 +61,15 @@ def ray_head(own_ray_cluster, tmp_path):
 
 def _submit_and_wait(ray_head, entry: str, seen: dict):
     from ray.job_submission import JobStatus, JobSubmissionClient
-    sub = subprocess.run([RAY, "job", "submit", "--address", ray_head["dashboard"], "--working-dir", str(ROOT),
-                          "--no-wait", "--", *entry.split()], env=ray_head["env"], capture_output=True, text=True,
-                         timeout=180)
+    def submitted():
+        sub = subprocess.run([RAY, "job", "submit", "--address", ray_head["dashboard"], "--working-dir", str(ROOT),
+                              "--no-wait", "--", *entry.split()], env=ray_head["env"], capture_output=True, text=True,
+                              timeout=180)
+        if sub.returncode != 0 and "No available agent to submit job" in sub.stdout + sub.stderr:
+            return None  # a head started moments ago: its job agent has not registered yet
+        return sub
+
+    sub = wait_for(submitted, 120, "the head's job agent to take a submission", interval=2.0)
     assert sub.returncode == 0, sub.stdout + sub.stderr
     job_id = re.search(r"raysubmit_\w+", sub.stdout + sub.stderr).group(0)
     client = JobSubmissionClient(ray_head["dashboard"])

@@ -286,3 +286,24 @@ def test_large_cpu_replay_memory_asks_for_huge_pages():
     assert _memory.advise_hugepages(torch.empty(1000)) is False  # too small to bother
     # The kernel accepts the request unless huge pages are switched off.
     assert _memory.advise_hugepages(torch.empty(4 << 20)) is ("[never]" not in mode)
+
+
+def test_a_dead_processs_extension_build_lock_does_not_hang_later_loads(tmp_path, monkeypatch):
+    """torch's JIT loader waits forever on a lock file a killed process left in the build
+    directory (every replay sample of a later run hung); an old lock is removed, a fresh one
+    (a build going on now) is left to its owner."""
+    import os
+    import time
+    from replay_server import _cpu_kernels
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    build = tmp_path / "some_ext"
+    build.mkdir()
+    lock = build / "lock"
+    lock.write_text("")
+    _cpu_kernels._clear_stale_build_lock("some_ext")
+    assert lock.exists()  # fresh: another process is building
+    old = time.time() - _cpu_kernels.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    _cpu_kernels._clear_stale_build_lock("some_ext")
+    assert not lock.exists()
+    _cpu_kernels._clear_stale_build_lock("some_ext")  # no lock: nothing to do
