@@ -176,22 +176,30 @@ def _group_metrics(g, G, R, K, ticks, warm, windows, split, described, v2, mean_
     return m
 
 
+def selection_split(cfg: SimConfig) -> str:
+    """The range a run may look at while it learns or is tuned: the validation days when the
+    trace has them (trace.validation_fraction > 0), else the training range. The held-out
+    range ("eval") is for the final report only."""
+    return "val" if cfg.trace.validation_fraction > 0 else "train"
+
+
 def evaluate_against_hpa(net, cfg: TrainConfig, ticks: Optional[int], shards: int, hpa_cache: dict,
-                         replicas: int = 1) -> dict:
-    """Greedy `net` and Kubernetes HPA on the held-out range, covered `replicas` times with
-    independent arrivals (HPA, deterministic for a config, is evaluated once per setting and
-    cached in `hpa_cache`)."""
+                         replicas: int = 1, split: str = "eval") -> dict:
+    """Greedy `net` and Kubernetes HPA on the held-out range (or `split`), covered `replicas`
+    times with independent arrivals (HPA, deterministic for a config, is evaluated once per
+    setting and cached in `hpa_cache`)."""
     import math
     import statistics
 
     from apex_bdq.checkpoint import GreedyPolicy
     from apex_bdq.sim.baselines import HPA
     learned = evaluate_policy(GreedyPolicy(net, cfg.agent.decision_ticks), cfg.sim, shards=shards, ticks=ticks,
-                              replicas=replicas).metrics
+                              replicas=replicas, split=split).metrics
     net.train()
-    key = (ticks, shards, replicas)
+    key = (ticks, shards, replicas, split)
     if key not in hpa_cache:
-        hpa_cache[key] = evaluate_policy(HPA(), cfg.sim, shards=shards, ticks=ticks, replicas=replicas).metrics
+        hpa_cache[key] = evaluate_policy(HPA(), cfg.sim, shards=shards, ticks=ticks, replicas=replicas,
+                                         split=split).metrics
     hpa = hpa_cache[key]
     out = {"eval_reward": learned["reward"], "hpa_eval_reward": hpa["reward"],
            "slo_violation_rate": learned["slo_violation_rate"],

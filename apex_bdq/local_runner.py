@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -19,13 +18,14 @@ import torch
 
 from apex_bdq.checkpoint import CheckpointError, config_to_dict, load_checkpoint, save_checkpoint
 from apex_bdq.config import TrainConfig, train_config_from_dict
-from apex_bdq.evaluation import evaluate_against_hpa
+from apex_bdq.driver import Driver, Progress
 from apex_bdq.messages import SampledBatch
 from apex_bdq.system import make_components
 
 
 class LocalTrainer:
-    """The whole agent in one process; the one place it is wired together."""
+    """The whole agent in one process; the one place it is wired together. A runner of
+    `apex_bdq.driver.Driver`, which owns evaluation, checkpoints, history and the result."""
 
     def __init__(self, cfg: TrainConfig, device: str = "cpu", feedback_log: Optional[str] = None,
                  heldout_every: int = 0) -> None:
@@ -55,16 +55,16 @@ class LocalTrainer:
         self.replay = parts.replay(device)
         self.decisions = 0
         self.update_credit = 0.0
-        self.history: list[dict] = []  # learning curve: one row per evaluation
-        self.t_offset = 0.0  # training time before a resume, so the curve keeps going forward
+        self.resumed: dict = {}  # the counters of a resumed checkpoint (its learning curve)
         self.last_loss = float("nan")
-        self._hpa_cache: dict = {}
 
     # -- state ---------------------------------------------------------------------------
-    def checkpoint(self, path: str | Path) -> None:
+    def checkpoint(self, path: str | Path, counters: Optional[dict] = None) -> None:
+        """counters: the driver's (the learning curve); default the resumed run's."""
         save_checkpoint(path, config_to_dict(self.cfg), self.learner.state_dict(),
-                        {"decisions": self.decisions, "env_steps": self.rollout.env_steps, "updates": self.learner.updates,
-                         "history": self.history, "feedback_log": self.pref.log.path if self.pref is not None else None})
+                        {"history": list(self.resumed.get("history", [])), **(counters or {}),
+                         "decisions": self.decisions, "env_steps": self.rollout.env_steps, "updates": self.learner.updates,
+                         "feedback_log": self.pref.log.path if self.pref is not None else None})
 
     def resume(self, path: str | Path) -> None:
         """Warm start: weights, target, optimiser (its learning rate included), counters and
@@ -79,12 +79,11 @@ class LocalTrainer:
             self.learner.load_state_dict(ck["learner"])
             c = ck["counters"]
             self.decisions, self.rollout.env_steps = int(c["decisions"]), int(c["env_steps"])
-            self.history = list(c["history"])
+            self.resumed = {"history": list(c["history"]), "env_steps": int(c["env_steps"])}
         except (KeyError, TypeError, ValueError, RuntimeError) as e:
             if isinstance(e, CheckpointError):
                 raise
             raise CheckpointError(f"checkpoint {str(path)!r} cannot be resumed: {type(e).__name__}: {e}") from e
-        self.t_offset = float(self.history[-1]["t_s"]) if self.history else 0.0
         self.rollout.weights_changed()
 
     # -- loop ----------------------------------------------------------------------------
@@ -114,65 +113,46 @@ class LocalTrainer:
             self.last_loss = out.loss
             self.rollout.weights_changed()
 
-    def evaluate(self, ticks: Optional[int], shards: int, replicas: int = 1) -> dict:
-        return evaluate_against_hpa(self.learner.net, self.cfg, ticks, shards, self._hpa_cache, replicas)
+    # -- the runner's side of the driver (apex_bdq/driver.py) -------------------------------
+    def start(self, minutes: float, max_updates: Optional[int], counters=None) -> None:
+        """The budgets of this invocation (a resume's budgets start again)."""
+        self._t_end = time.perf_counter() + minutes * 60.0
+        self._max_updates = max_updates
+        self._steps0 = self.rollout.env_steps
 
-    def run(self, progress: bool = True, checkpoint: Optional[str] = None) -> dict:
-        cfg = self.cfg
-        t0 = time.perf_counter()
-        budget = cfg.minutes * 60.0
-        next_eval = cfg.eval_every_s
-        bar = None
-        if progress:
-            from tqdm import tqdm
-            bar = tqdm(total=int(budget), unit="s", file=sys.stderr, dynamic_ncols=True,
-                       bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} s {postfix}")
-        last_t, last_steps, last_upd, shown = t0, self.rollout.env_steps, self.learner.updates, 0
-        steps0 = self.rollout.env_steps
-        eval_r = float("nan")
-        while True:
-            now = time.perf_counter() - t0
-            if now >= budget or (cfg.max_env_ticks is not None and  # both budgets are per invocation (a resume)
-                                 self.rollout.env_steps - steps0 >= cfg.max_env_ticks * cfg.sim.num_shards):
-                break
+    def running(self) -> bool:
+        c = self.cfg
+        return time.perf_counter() < self._t_end and \
+            not (c.max_env_ticks is not None and self.rollout.env_steps - self._steps0 >= c.max_env_ticks * c.sim.num_shards) \
+            and not (self._max_updates is not None and self.learner.updates >= self._max_updates)
+
+    def advance(self, deadline: float) -> Progress:
+        """Train ticks until `deadline` (perf_counter seconds) or the end of the budget."""
+        while time.perf_counter() < deadline and self.running():
             self.train_tick()
-            if now >= next_eval:
-                ev = self.evaluate(cfg.eval_ticks, cfg.eval_shards)
-                eval_r = ev["eval_reward"]
-                self.history.append({"t_s": self.t_offset + now, "env_steps": self.rollout.env_steps, "updates": self.learner.updates,
-                                     "eval_reward": ev["eval_reward"], "hpa_eval_reward": ev["hpa_eval_reward"],
-                                     "slo_violation_rate": ev["slo_violation_rate"],
-                                     "hpa_slo_violation_rate": ev["hpa_slo_violation_rate"]})
-                next_eval = (time.perf_counter() - t0) + cfg.eval_every_s
-                if checkpoint:
-                    self.checkpoint(checkpoint)
-            if bar is not None and time.perf_counter() - last_t >= 2.0:
-                t = time.perf_counter()
-                sps = (self.rollout.env_steps - last_steps) / (t - last_t)
-                ups = (self.learner.updates - last_upd) / (t - last_t)
-                bar.set_postfix_str(f"env {sps:,.0f}/s upd {ups:,.1f}/s td {self.last_loss:.3f} "
-                                    f"replay {self.replay.size:,} eval {eval_r:.3f}")
-                bar.update(int(t - t0) - shown)
-                shown = int(t - t0)
-                last_t, last_steps, last_upd = t, self.rollout.env_steps, self.learner.updates
-        if bar is not None:
-            bar.close()
-        train_s = time.perf_counter() - t0
-        final = self.evaluate(cfg.final_eval_ticks, cfg.eval_shards, cfg.final_eval_replicas)
-        self.history.append({"t_s": self.t_offset + train_s, "env_steps": self.rollout.env_steps, "updates": self.learner.updates,
-                             "eval_reward": final["eval_reward"], "hpa_eval_reward": final["hpa_eval_reward"],
-                             "slo_violation_rate": final["slo_violation_rate"],
-                             "hpa_slo_violation_rate": final["hpa_slo_violation_rate"]})
-        if checkpoint:
-            self.checkpoint(checkpoint)
-        return {**{k: final[k] for k in ("eval_reward", "hpa_eval_reward", "slo_violation_rate",
-                                           "hpa_slo_violation_rate", "slo_violation_rate_diff_se") if k in final},
-                "learned": final["learned"], "hpa": final["hpa"], "train_seconds": train_s,
-                "env_steps": self.rollout.env_steps, "updates": self.learner.updates,
-                "env_steps_per_s": self.rollout.env_steps / max(train_s, 1e-9),
-                "updates_per_s": self.learner.updates / max(train_s, 1e-9),
+        return self.progress()
+
+    def progress(self) -> Progress:
+        u = self.learner.updates
+        return Progress(env_steps=self.rollout.env_steps, updates=u, version=u, replay_size=self.replay.size,
+                        td_loss=self.last_loss, weight_lag=0)
+
+    def policy(self):
+        """The learner's own network (the rollout acts with the same object)."""
+        return self.learner.net, self.learner.updates
+
+    def save(self, path: str | Path, counters: dict) -> None:
+        self.checkpoint(path, counters)
+
+    def stop(self) -> dict:
+        return {"progress": self.progress(),
                 "exploration_overload_rate": self.rollout.overload_ticks / max(self.rollout.env_steps, 1),
-                "preference": self.preference_stats(), "history": self.history}
+                "preference": self.preference_stats()}
+
+    def run(self, progress: bool = True, checkpoint: Optional[str] = None, minutes: Optional[float] = None,
+            max_updates: Optional[int] = None) -> dict:
+        """Train with the driver (evaluation, history, checkpoints, the result)."""
+        return Driver(self.cfg, self, checkpoint=checkpoint, progress=progress).run(minutes, max_updates)
 
     def preference_stats(self) -> Optional[dict]:
         if self.pref is None:

@@ -28,6 +28,7 @@ from typing import Callable, Optional
 
 from apex_bdq.checkpoint import CheckpointError, load_checkpoint
 from apex_bdq.config import ClusterConfig, TrainConfig
+from apex_bdq.driver import Driver, Progress
 from apex_bdq.system import make_components
 from apex_bdq.messages import ActorStats, StoreStatus
 
@@ -53,7 +54,8 @@ def local_ray_init(spec: ClusterConfig, address: Optional[str] = None, **kwargs)
 
 
 class ApexRun:
-    """One distributed training run; `run()` blocks until the budget is spent."""
+    """One distributed training run: the Ray runner of `apex_bdq.driver.Driver` (which owns
+    evaluation, history, checkpoints, progress and the result); `run()` drives it."""
 
     def __init__(self, cfg: TrainConfig, spec: Optional[ClusterConfig] = None, resume: Optional[dict] = None,
                  heldout_every: int = 0) -> None:
@@ -62,15 +64,10 @@ class ApexRun:
         spec = cfg.cluster if spec is None else spec
         self.cfg, self.spec, self.resume = dataclasses.replace(cfg, cluster=spec), spec, resume
         self.heldout_every = heldout_every
-        self.history: list[dict] = []
-        self.t_offset = 0.0
-        self.env_steps_base = 0  # env steps of the runs this one resumes
-        self._last_env_steps = 0
-        if resume is not None:
-            c = resume.get("counters", {})
-            self.history = list(c.get("history", []))
-            self.t_offset = float(self.history[-1]["t_s"]) if self.history else 0.0
-            self.env_steps_base = self._last_env_steps = int(c.get("env_steps", 0))
+        # The counters of the checkpoint this run continues (its learning curve goes on in the driver).
+        self.resumed: dict = dict((resume or {}).get("counters", {}))
+        self.env_steps_base = self._last_env_steps = int(self.resumed.get("env_steps", 0))  # of the runs resumed
+        self._driver_counters: Callable[[], dict] = dict
         # Supervision: restarted rollout actors get their loop back; their counters carry on.
         self.recoveries = {"rollout": 0, "replay": 0, "learner": 0, "preference": 0}
         self.dead_actors: set = set()
@@ -93,7 +90,7 @@ class ApexRun:
             return {}  # a cluster without the node types of cluster.yaml: place by CPU only
         return {name: 0.001}
 
-    def start(self) -> None:
+    def _build(self) -> None:
         import ray
         from actors.rollout_actor import remote_actor_class
         from apex_bdq.checkpoint import config_to_dict
@@ -296,10 +293,10 @@ class ApexRun:
         self._last_copied = key
 
     def counters(self) -> dict:
-        """What a checkpoint carries besides the learner: env steps (as last seen), learning
-        curve, feedback log."""
-        return {"env_steps": int(self._last_env_steps), "history": list(self.history),
-                "feedback_log": self.feedback_log}
+        """What a checkpoint carries besides the learner: env steps (as last seen), the
+        driver's counters (learning curve), feedback log."""
+        return {"history": list(self.resumed.get("history", [])), **self._driver_counters(),
+                "env_steps": int(self._last_env_steps), "feedback_log": self.feedback_log}
 
     def current_policy_net(self):
         import ray
@@ -311,68 +308,78 @@ class ApexRun:
             load_numpy_state(net, ray.get(got.ref[0]))
         return net, (got.version if got else -1)
 
-    # -- the run -----------------------------------------------------------------------------
-    def run(self, minutes: Optional[float] = None, max_updates: Optional[int] = None,
-            on_progress: Optional[Callable[[dict], None]] = None,
-            evaluate: Optional[Callable] = None) -> dict:
-        """Train for `minutes` (default: the preset's); evaluate(net, ticks) -> dict is called
-        every `eval_every_s` on the newest weights, in this driver loop."""
-        import ray
-        minutes = self.cfg.minutes if minutes is None else minutes
-        self.start()
+    # -- the runner's side of the driver (apex_bdq/driver.py) -------------------------------
+    def start(self, minutes: Optional[float] = None, max_updates: Optional[int] = None,
+              counters: Optional[Callable[[], dict]] = None) -> None:
+        """Build the components; with `minutes`, also start the Ray Train learner group (in
+        a thread: `fit()` blocks) for that budget. counters: the driver's counters (the
+        learning curve), written into every checkpoint copied to spec.checkpoint_path."""
+        self._build()
+        if minutes is None:
+            return
+        self._driver_counters = counters or dict
         trainer = self._trainer(minutes, max_updates)
-        box: dict = {}
+        self._fit: dict = {}
 
         def fit() -> None:
             try:
-                box["result"] = trainer.fit()
-            except BaseException as e:  # re-raised in the driver thread
-                box["error"] = e
+                self._fit["result"] = trainer.fit()
+            except BaseException as e:  # re-raised by stop(), in the driver's thread
+                self._fit["error"] = e
 
-        t0 = time.perf_counter()
-        th = threading.Thread(target=fit, name="train-fit", daemon=True)
-        th.start()
-        next_eval = self.cfg.eval_every_s
-        last = None
-        failure = None
-        while th.is_alive():
-            th.join(timeout=2.0)
-            try:
-                self._supervise()
-            except RuntimeError as e:  # no rollout actor left: stop the learner, report why
-                failure = e
-                self.store.set_stop.remote(True)  # the learner reads it too
-                th.join(timeout=120)
-                break
-            try:
-                st = self.status()
-                self._last_env_steps = st["env_steps"]
-            except ray.exceptions.RayError as e:
-                st = {"error": repr(e)}
-            try:
-                self._copy_latest_checkpoint()
-            except OSError as e:
-                print(f"note: copying the latest checkpoint to {self.spec.checkpoint_path} failed: {e}")
-            now = time.perf_counter() - t0
-            if last is not None and "env_steps" in st:
-                dt = now - last[0]
-                st["env_steps_per_s"] = (st["env_steps"] - last[1]) / max(dt, 1e-9)
-                lr = st.get("learner") or {}
-                st["updates_per_s"] = lr.get("updates_per_s", float("nan"))
-            if "env_steps" in st:
-                last = (now, st["env_steps"])
-            if evaluate is not None and now >= next_eval and st.get("version", -1) >= 0:
-                net, v = self.current_policy_net()
-                ev = evaluate(net, self.cfg.eval_ticks)
-                st["eval"] = ev
-                self.history.append({"t_s": self.t_offset + now, "env_steps": st.get("env_steps", 0),
-                                     "updates": v, **{k: ev[k] for k in ("eval_reward", "hpa_eval_reward",
-                                                                          "slo_violation_rate",
-                                                                          "hpa_slo_violation_rate")}})
-                next_eval = (time.perf_counter() - t0) + self.cfg.eval_every_s
-            if on_progress is not None:
-                on_progress({**st, "t_s": now})
-        train_s = time.perf_counter() - t0
+        self._failure: Optional[BaseException] = None
+        self._fit_thread = threading.Thread(target=fit, name="train-fit", daemon=True)
+        self._fit_thread.start()
+
+    def running(self) -> bool:
+        return self._fit_thread.is_alive() and self._failure is None
+
+    def advance(self, deadline: float) -> Optional[Progress]:
+        """One supervision poll: wait for the learner group until `deadline` (at most a
+        poll), give restarted actors their loop back, read every component's figures and
+        mirror the newest learner checkpoint. None when the figures cannot be read now."""
+        import ray
+        self._fit_thread.join(timeout=max(0.0, min(deadline - time.perf_counter(), 2.0)))
+        try:
+            self._supervise()
+        except RuntimeError as e:  # no rollout actor left: stop the learner, report why in stop()
+            self._failure = e
+            self.store.set_stop.remote(True)  # the learner reads it too
+            self._fit_thread.join(timeout=120)
+            return None
+        try:
+            st = self.status()
+            self._last_env_steps = st["env_steps"]
+        except ray.exceptions.RayError as e:
+            print(f"note: the run's status could not be read this time: {type(e).__name__}")
+            return None
+        try:
+            self._copy_latest_checkpoint()
+        except OSError as e:
+            print(f"note: copying the latest checkpoint to {self.spec.checkpoint_path} failed: {e}")
+        return self._progress(st)
+
+    @staticmethod
+    def _progress(st: dict) -> Progress:
+        lr = st.get("learner") or {}
+        return Progress(env_steps=st["env_steps"], updates=int(lr.get("updates", 0)), version=st["version"],
+                        replay_size=st["replay_size"], td_loss=lr.get("td_loss", float("nan")),
+                        weight_lag=st["weight_lag"], updates_per_s=lr.get("updates_per_s"), status=st)
+
+    def policy(self):
+        """The newest published weights (the weight store's) and their version."""
+        return self.current_policy_net()
+
+    def save(self, path: str, counters: dict) -> None:
+        """The run's checkpoint file is the learner's, copied as it lands; this adds the
+        driver's counters to it (nothing to do before the first one)."""
+        if path and Path(path).is_file():
+            annotate_checkpoint(Path(path), {**self.counters(), **counters})
+
+    def stop(self) -> dict:
+        """Stop the actors, collect their figures and the learner group's result; raise what
+        stopped the run early. Returns the runner's own result keys."""
+        import ray
         self.store.set_stop.remote(True)
         for sh in self.shards:  # no learner any more: let blocked inserts through so actors can stop
             sh.release.remote()
@@ -384,17 +391,37 @@ class ApexRun:
                 actor_stats.append(ray.get(ref, timeout=120).as_dict())
             except ray.exceptions.RayError as e:
                 actor_stats.append(ActorStats(actor=i, error=repr(e)).as_dict())
-        if failure is not None:
-            raise failure
-        if "error" in box:
-            raise box["error"]
-        result = box["result"]
-        final_status = self.status()
-        self._last_env_steps = final_status["env_steps"]
+        self._fit_thread.join()
+        if self._failure is not None:
+            raise self._failure
+        if "error" in self._fit:
+            raise self._fit["error"]
+        result = self._fit["result"]
+        st = self.status()
+        self._last_env_steps = st["env_steps"]
+        ck = None
         if self.spec.checkpoint_path and copy_checkpoint(result, self.spec.checkpoint_path) is not None:
-            annotate_checkpoint(Path(self.spec.checkpoint_path), self.counters())  # the final one
-        out = {"train_seconds": train_s, "result": result, "actor_stats": actor_stats, "status": final_status}
-        return out
+            ck = self.spec.checkpoint_path
+            annotate_checkpoint(Path(ck), self.counters())  # the final one
+        lr = st.get("learner") or {}
+        s = self.spec
+        return {"progress": self._progress(st), "result": result, "actor_stats": actor_stats, "status": st,
+                "learner_wait_share": lr.get("learner_wait_share"), "data_route": lr.get("route"),
+                "weight_version": st["version"], "weight_lag": st["weight_lag"], "replay_size": st["replay_size"],
+                "transitions_inserted": st["inserted"], "transitions_sampled": st["sampled"],
+                "num_actors": s.num_actors, "num_replay_shards": s.num_replay_shards,
+                "num_learners": s.num_learners, "backend": s.backend,
+                "exploration_overload_rate": sum(x.get("overload_ticks", 0) for x in st["actors"]) /
+                max(st["env_steps"], 1),
+                "preference": st.get("preference"), "checkpoint": ck}
+
+    def run(self, minutes: Optional[float] = None, max_updates: Optional[int] = None,
+            on_progress: Optional[Callable[[dict], None]] = None, evaluate=False, final_eval: bool = False,
+            progress: bool = False) -> dict:
+        """Train with the driver (apex_bdq/driver.py); by default without evaluations, as
+        benchmarks and tests run it."""
+        return Driver(self.cfg, self, checkpoint=self.spec.checkpoint_path, progress=progress,
+                      on_progress=on_progress, evaluate=evaluate, final_eval=final_eval).run(minutes, max_updates)
 
     def shutdown(self) -> None:
         import ray

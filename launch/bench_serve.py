@@ -193,7 +193,7 @@ def worker_main(ingress: str, checkpoint: str, n: int, out: str) -> None:
     from ray import serve
 
     from apex_bdq.client import DecisionClient
-    from launch.serve import APP_NAME, ServeOptions, start
+    from apex_bdq.serve_app import APP_NAME, ServeOptions, start
     ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     port = 8000 + (0 if ingress == "haproxy" else 100)
     url = f"http://127.0.0.1:{port}"

@@ -23,7 +23,6 @@ from typing import Optional
 from apex_bdq.checkpoint import CheckpointError, load_checkpoint
 from apex_bdq.config import (BACKENDS, ClusterConfig, ConfigError, TraceConfig, TrainConfig, apply_overrides,
                              train_config_from_dict)
-from apex_bdq.evaluation import evaluate_against_hpa
 from apex_bdq.local_runner import LocalTrainer
 from apex_bdq.presets import PRESETS
 from apex_bdq.sim.trace import TraceError
@@ -31,7 +30,7 @@ from launch._io import save_figure, write_json
 
 def plot_curve(history: list[dict], path: str) -> None:
     """Reward and SLO violation rate over training; periodic points are slices of the
-    held-out range, the last one is the whole range (so the HPA line steps there)."""
+    validation days, the last one is the whole held-out range (so the HPA line steps there)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -39,11 +38,11 @@ def plot_curve(history: list[dict], path: str) -> None:
     t = [h["t_s"] / 60 for h in history]
     for ax, key, hkey, label in ((ax1, "eval_reward", "hpa_eval_reward", "mean reward per tick"),
                                  (ax2, "slo_violation_rate", "hpa_slo_violation_rate", "SLO violation rate")):
-        ax.plot(t[:-1], [h[key] for h in history[:-1]], "o-", color="C0", label="BDQ (greedy), periodic: 8 phases x eval_ticks")
-        ax.plot(t[-1:], [history[-1][key]], "o", color="C0", ms=10, mfc="none", label="BDQ, whole range")
+        ax.plot(t[:-1], [h[key] for h in history[:-1]], "o-", color="C0", label="BDQ (greedy), periodic: validation days, 8 phases x eval_ticks")
+        ax.plot(t[-1:], [history[-1][key]], "o", color="C0", ms=10, mfc="none", label="BDQ, whole held-out range")
         if all(hkey in h for h in history):
             ax.plot(t[:-1], [h[hkey] for h in history[:-1]], "s--", color="C1", label="HPA, periodic")
-            ax.plot(t[-1:], [history[-1][hkey]], "s", color="C1", ms=10, mfc="none", label="HPA, whole range")
+            ax.plot(t[-1:], [history[-1][hkey]], "s", color="C1", ms=10, mfc="none", label="HPA, whole held-out range")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     ax1.legend(fontsize=8)
@@ -76,8 +75,9 @@ def _print_final(res: dict, checkpoint: Optional[str]) -> None:
 
 
 def run_distributed(cfg: TrainConfig, a, spec) -> dict:
-    """The Ape-X run on Ray (apex_bdq/ray_runner.py) with progress and the final evaluation."""
-    from apex_bdq.ray_runner import ApexRun, annotate_checkpoint, local_ray_init
+    """The Ape-X run on Ray (apex_bdq/ray_runner.py) under the driver (apex_bdq/driver.py)."""
+    from apex_bdq.driver import Driver
+    from apex_bdq.ray_runner import ApexRun, local_ray_init
     resume = load_checkpoint(a.resume) if a.resume else None
     if resume is not None:
         saved = train_config_from_dict(resume["config"])
@@ -86,62 +86,13 @@ def run_distributed(cfg: TrainConfig, a, spec) -> dict:
     local_ray_init(spec, a.address, **({} if a.address else {"include_dashboard": not a.no_dashboard}),
                    log_to_driver=not a.quiet)
     run = ApexRun(cfg, spec, resume=resume)
-    hpa_cache: dict = {}
-    bar = None
-    if not a.quiet:
-        from tqdm import tqdm
-        bar = tqdm(total=int(cfg.minutes * 60), unit="s", file=sys.stderr, dynamic_ncols=True,
-                   bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} s {postfix}")
-    shown = [0, float("nan")]
-
-    def progress(st: dict) -> None:
-        if "eval" in st:
-            shown[1] = st["eval"]["eval_reward"]
-            hpa = st["eval"]["hpa_eval_reward"]
-        else:
-            hpa = hpa_cache.get((cfg.eval_ticks, cfg.eval_shards, 1), {}).get("reward", float("nan"))
-        if bar is None or "env_steps" not in st:
-            return
-        lr = st.get("learner") or {}
-        bar.set_postfix_str(f"env {st.get('env_steps_per_s', 0):,.0f}/s replay {st['replay_size']:,} "
-                            f"upd {lr.get('updates_per_s', 0):.1f}/s td {lr.get('td_loss', float('nan')):.3f} "
-                            f"lag {st['weight_lag']} eval {shown[1]:.3f} (hpa {hpa:.3f})")
-        t = int(st["t_s"])
-        bar.update(max(0, min(t, bar.total) - shown[0]))
-        shown[0] = min(t, bar.total)
-
     try:
-        out = run.run(on_progress=progress,
-                      evaluate=lambda net, ticks: evaluate_against_hpa(net, cfg, ticks, cfg.eval_shards, hpa_cache))
-        net, version = run.current_policy_net()
+        res = Driver(cfg, run, checkpoint=spec.checkpoint_path, progress=not a.quiet).run()
     finally:
-        if bar is not None:
-            bar.close()
         run.shutdown()
-    final = evaluate_against_hpa(net, cfg, cfg.final_eval_ticks, cfg.eval_shards, hpa_cache, cfg.final_eval_replicas)
-    st = out["status"]
-    lr = st.get("learner") or {}
-    history = run.history + [{"t_s": run.t_offset + out["train_seconds"], "env_steps": st["env_steps"],
-                              "updates": lr.get("updates", 0), "eval_reward": final["eval_reward"],
-                              "hpa_eval_reward": final["hpa_eval_reward"],
-                              "slo_violation_rate": final["slo_violation_rate"],
-                              "hpa_slo_violation_rate": final["hpa_slo_violation_rate"]}]
-    ck = Path(a.checkpoint) if a.checkpoint and Path(a.checkpoint).is_file() else None  # copied by the run
-    if ck is not None:  # with the final evaluation in its learning curve
-        annotate_checkpoint(ck, {**run.counters(), "history": history})
-    train_s = out["train_seconds"]
-    return {**{k: final[k] for k in ("eval_reward", "hpa_eval_reward", "slo_violation_rate", "hpa_slo_violation_rate",
-                                     "slo_violation_rate_diff_se") if k in final},
-            "learned": final["learned"], "hpa": final["hpa"], "train_seconds": train_s,
-            "env_steps": st["env_steps"], "updates": lr.get("updates", 0),
-            "env_steps_per_s": st["env_steps"] / max(train_s, 1e-9), "updates_per_s": lr.get("updates_per_s", 0.0),
-            "learner_wait_share": lr.get("learner_wait_share"), "data_route": lr.get("route"),
-            "weight_version": version, "weight_lag": st["weight_lag"], "replay_size": st["replay_size"],
-            "transitions_inserted": st["inserted"], "transitions_sampled": st["sampled"],
-            "num_actors": spec.num_actors, "num_replay_shards": spec.num_replay_shards,
-            "num_learners": spec.num_learners, "backend": spec.backend,
-            "exploration_overload_rate": sum(x.get("overload_ticks", 0) for x in st["actors"]) / max(st["env_steps"], 1),
-            "preference": st.get("preference"), "checkpoint": str(ck) if ck else None, "history": history}
+    for k in ("result", "actor_stats", "status"):  # Ray objects and per-component detail: not for the JSON
+        res.pop(k, None)
+    return res
 
 
 def config_file_args(argv: list[str]) -> list[str]:

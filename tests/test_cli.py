@@ -48,6 +48,32 @@ def test_evaluate_judges_every_policy_against_the_rules_frontiers(tmp_path, caps
     assert again["policies"]["hpa"]["cost"] == pol["hpa"]["cost"]
 
 
+@pytest.mark.slow
+def test_train_ends_with_the_yardstick_and_launch_evaluate_agrees(tmp_path, capsys, daily_trace):
+    """`make run`'s last lines: the learned policy against the rules' frontiers on the
+    held-out range, in the output and the JSON; `launch.evaluate` on the checkpoint, same
+    trace and layout, gives the same judged figures."""
+    from launch import train
+    trace = daily_trace(days=2)
+    out, ck = tmp_path / "train.json", tmp_path / "ck.pt"
+    assert train.main(["--local", "--preset", "smoke", "--trace", str(trace), "--set", "final_eval_ticks=none",
+                       "--set", "eval_shards=4", "--set", "final_eval_replicas=1", "--json", str(out),
+                       "--checkpoint", str(ck), "--quiet"]) == 0
+    text = capsys.readouterr().out
+    y = json.loads(out.read_text())["yardstick"]
+    assert "refused" not in y and y["headroom"] is not None
+    assert "learned policy (held-out days): cost" in text and "cost vs the best rule at that violation rate" in text
+    if y["cost_saving_vs_best_rule"] is not None:
+        verdict = "beats" if y["cost_saving_vs_best_rule"] > 0 else "does not beat"
+        assert f"learned policy {verdict} the best rule's frontier" in text
+    ev = tmp_path / "eval.json"
+    assert evaluate.main(["--trace", str(trace), "--shards", "4", "--replicas", "1", "--policy",
+                          f"checkpoint:{ck}", "--json", str(ev), "--quiet"]) == 0
+    m = json.loads(ev.read_text())["policies"][f"checkpoint:{ck}"]
+    for k in ("cost_saving_vs_best_rule", "violation_ratio_vs_best_rule", "oracle_gap_closed"):
+        assert m[k] == pytest.approx(y[k], rel=1e-9, abs=1e-12), k
+
+
 def test_evaluate_refuses_a_comparison_with_too_few_windows(tmp_path, capsys):
     out = tmp_path / "eval.json"
     rc = evaluate.main(["--policy", "hpa,static", "--ticks", "70", "--shards", "2", "--json", str(out), "--quiet"])

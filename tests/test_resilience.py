@@ -18,7 +18,7 @@ pytestmark = pytest.mark.ray
 
 
 def test_short_soak_recovers_every_kill_and_loses_no_feedback(ray_local, tmp_path):
-    from launch.soak import TARGETS, SoakOptions, soak
+    from apex_bdq.soak import TARGETS, SoakOptions, soak
     # minutes is an upper bound: the run ends a few seconds after the 4th recovery.
     res = soak(SoakOptions(minutes=5.0, kill_every_s=5.0, min_gap_s=3.0, max_kills=4, checkpoint_every_s=5.0,
                            snapshot_every_s=4.0, seed=3, workdir=str(tmp_path)))

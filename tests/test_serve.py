@@ -266,7 +266,7 @@ def test_handle_path_follows_a_weight_store(own_ray_cluster, tmp_path):
     import ray
     from ray import serve
     from actors.preference_actor import NAMESPACE
-    from launch.serve import ServeOptions, start
+    from apex_bdq.serve_app import ServeOptions, start
     from learner.weight_store import WEIGHT_STORE_NAME, remote_store_class, state_to_numpy
     os.environ["RAY_AUTH_MODE"] = "disabled"
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)

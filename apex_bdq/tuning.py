@@ -1,0 +1,267 @@
+"""Ray Tune sweeps of the Ape-X trainer: the search space, one trial (a Tune function
+trainable that runs the driver on the Ray runner), the cluster size a sweep needs and the
+results table. `python -m launch.tune` is the entry point (its docstring says how a sweep
+runs and how to read its output).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+from apex_bdq.config import ConfigError, TraceConfig, TrainConfig, apply_overrides
+
+METRIC = "eval_reward"
+CLUSTER_KEYS = ("num_actors", "backend", "num_learners")  # ClusterConfig fields, not TrainConfig fields
+
+# What the sweep varies unless told otherwise: the Ape-X knobs that matter most (learning
+# rate, n-step, priority exponent, the epsilon ladder's base), how many rollout actors feed
+# the learner and which learner backend runs it.
+DEFAULT_SPACE = {
+    "agent.lr": "loguniform:1e-4,1e-3",
+    "agent.n_step": "choice:1,3,5",
+    "agent.alpha": "uniform:0.4,0.8",
+    "agent.eps_base": "uniform:0.2,0.6",
+    "num_actors": "choice:1,2",
+    "backend": "choice:ddp,deepspeed,accelerate",
+}
+
+RESULT_COLUMNS = ("eval_reward", "hpa_eval_reward", "reward_minus_hpa", "reward_ratio_hpa", "slo_violation_rate",
+                  "hpa_slo_violation_rate", "updates", "env_steps")
+
+
+def _value(s: str):
+    """A search-space literal: int, float, or string (apply_overrides parses it again)."""
+    s = s.strip()
+    for cast in (int, float):
+        try:
+            return cast(s)
+        except ValueError:
+            pass
+    return s
+
+
+def parse_space(items: dict[str, str]):
+    """KEY -> SPEC strings into Tune domains (see the module docstring)."""
+    from ray import tune
+    out = {}
+    for key, spec in items.items():
+        if key not in CLUSTER_KEYS and not re.fullmatch(r"((sim|agent|net|pref)\.)?\w+", key):
+            raise ConfigError(f"search space key {key!r}: use a config field (agent.lr, sim.num_shards, ...) or "
+                              f"one of {', '.join(CLUSTER_KEYS)}")
+        kind, sep, rest = spec.partition(":")
+        if not sep:
+            out[key] = _value(spec)
+            continue
+        args = [_value(x) for x in rest.split(",") if x.strip()]
+        try:
+            if kind in ("loguniform", "uniform", "randint"):
+                if len(args) != 2 or not all(isinstance(x, (int, float)) for x in args):
+                    raise ValueError("needs LO,HI")
+                lo, hi = args
+                out[key] = {"loguniform": tune.loguniform, "uniform": tune.uniform,
+                            "randint": tune.randint}[kind](lo, hi)
+            elif kind == "choice":
+                out[key] = tune.choice(args)
+            elif kind == "grid":
+                out[key] = tune.grid_search(args)
+            else:
+                raise ValueError(f"unknown kind {kind!r} (loguniform, uniform, randint, choice, grid)")
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"search space {key}={spec!r}: {e}") from None
+    return out
+
+
+def _fmt(v) -> str:
+    return repr(v) if isinstance(v, float) else str(v)
+
+
+def trial_overrides(config: dict) -> list[str]:
+    """The `--set` overrides of a trial: the sweep's fixed ones, then the sampled ones."""
+    fixed = config["fixed"]
+    sampled = [f"{k}={_fmt(v)}" for k, v in sorted(config["space"].items()) if k not in CLUSTER_KEYS]
+    return list(fixed["overrides"]) + sampled
+
+
+def trial_cluster(config: dict) -> dict:
+    fixed, sp = config["fixed"], config["space"]
+    return {"num_actors": int(sp.get("num_actors", fixed["num_actors"])),
+            "backend": str(sp.get("backend", fixed["backend"])),
+            "num_learners": int(sp.get("num_learners", fixed["num_learners"]))}
+
+
+def trial_train_config(config: dict) -> TrainConfig:
+    """The TrainConfig a trial runs: preset, trace, seed, overrides, then the sweep's own budget
+    and evaluation cadence (which `best_config.json` leaves out)."""
+    from apex_bdq.presets import PRESETS
+    fixed = config["fixed"]
+    cfg = PRESETS[fixed["preset"]]
+    if fixed.get("seed") is not None:
+        cfg = dataclasses.replace(cfg, seed=fixed["seed"], sim=cfg.sim.replace(seed=fixed["seed"]))
+    if fixed.get("trace"):
+        cfg = dataclasses.replace(cfg, sim=cfg.sim.replace(trace=TraceConfig(path=fixed["trace"])))
+    cfg = apply_overrides(cfg, trial_overrides(config))
+    return dataclasses.replace(cfg, minutes=fixed["minutes"], eval_every_s=fixed["eval_every_s"])
+
+
+def train_args(config: dict) -> list[str]:
+    """`python -m launch.train` arguments that reproduce a trial's settings."""
+    fixed = config["fixed"]
+    args = ["--preset", fixed["preset"]]
+    if fixed.get("trace"):
+        args += ["--trace", fixed["trace"]]
+    if fixed.get("seed") is not None:
+        args += ["--seed", str(fixed["seed"])]
+    for o in trial_overrides(config):
+        args += ["--set", o]
+    cl = trial_cluster(config)
+    return args + ["--num-actors", str(cl["num_actors"]), "--num-learners", str(cl["num_learners"]),
+                   "--backend", cl["backend"]]
+
+
+def trial_resources(config: dict):
+    """What one trial holds while it runs: a bundle for the trial itself (its driver loop and
+    the evaluations), one per rollout actor and one per replay shard. Those actors are created
+    inside the trial, so Tune's placement group captures them (and Tune refuses any that fit
+    no bundle but the trial's own); the Ray Train learners get a placement group of their own,
+    outside this one (the cluster must have room for them: see `ray_cpus`)."""
+    import ray
+    from ray import tune
+    fixed = config["fixed"]
+    cl = trial_cluster(config)
+    have = ray.cluster_resources() if ray.is_initialized() else {}
+    actor = {"CPU": fixed["actor_cpus"]}
+    if "rollout" in have:  # ApexRun asks for these placement units when the cluster declares them
+        actor["rollout"] = 0.001
+    bundles = [{"CPU": fixed["trial_cpus"]}] + [dict(actor) for _ in range(cl["num_actors"])]
+    if "learner" in have:
+        bundles += [{"learner": 0.001} for _ in range(fixed["num_replay_shards"])]
+    return tune.PlacementGroupFactory(bundles)
+
+
+def _row(ev: dict, extra: dict) -> dict:
+    r, h = float(ev["eval_reward"]), float(ev["hpa_eval_reward"])
+    return {"eval_reward": r, "hpa_eval_reward": h, "reward_minus_hpa": r - h,
+            # only meaningful against a positive HPA reward
+            "reward_ratio_hpa": r / h if h > 0 else float("nan"),
+            "slo_violation_rate": float(ev["slo_violation_rate"]),
+            "hpa_slo_violation_rate": float(ev["hpa_slo_violation_rate"]), **extra}
+
+
+def run_trial(config: dict) -> None:
+    """The Tune function trainable: one Ape-X run, reporting every periodic evaluation and a
+    final one (with the checkpoint)."""
+    import ray
+    import torch
+    from ray import tune
+
+    from apex_bdq.driver import Driver
+    from apex_bdq.evaluation import evaluate_against_hpa, selection_split
+    from apex_bdq.ray_runner import ApexRun, copy_checkpoint
+    torch.set_num_threads(1)  # the trial shares its cores with the actors and the learner
+    fixed = config["fixed"]
+    cfg = trial_train_config(config)
+    cl = trial_cluster(config)
+    ctx = tune.get_context()
+    trial_dir = Path(ctx.get_trial_dir() or tempfile.mkdtemp(prefix="apex_bdq_trial_"))
+    work = Path(tempfile.mkdtemp(prefix=f"apex_bdq_tune_{ctx.get_trial_id()}_"))
+    spec = cfg.cluster.replace(num_actors=cl["num_actors"], num_learners=cl["num_learners"], backend=cl["backend"],
+                               num_replay_shards=fixed["num_replay_shards"], actor_cpus=fixed["actor_cpus"],
+                               learner_cpus=fixed["learner_cpus"], storage_path=str(work / "ray_train"))
+    run = ApexRun(cfg, spec)
+    hpa_cache: dict = {}
+    split = selection_split(cfg.sim)  # the validation days: the held-out ones stay unseen by the sweep
+    reported = [0]
+    periodic_max = fixed["max_reports"] - 1  # the final report is iteration <= max_reports (ASHA's max_t)
+
+    def evaluate(net, ticks, shards, replicas=1):
+        # Not before the learner's first update (the initial weights would tell ASHA nothing
+        # about the trial's settings), nor past the reports ASHA's max_t leaves room for.
+        if reported[0] >= periodic_max or ray.get(run.store.status.remote()).version <= 0:
+            return None
+        return evaluate_against_hpa(net, cfg, ticks, shards, hpa_cache, replicas, split=split)
+
+    def progress(st: dict) -> None:
+        ev = st.get("eval")
+        if ev is None:
+            return
+        lr = st.get("learner") or {}
+        reported[0] += 1
+        tune.report(_row(ev, {"final": False, "t_s": float(st["t_s"]), "env_steps": int(st.get("env_steps", 0)),
+                              "updates": int(lr.get("updates", 0)), "eval_ticks": cfg.eval_ticks}))
+
+    try:
+        out = Driver(cfg, run, on_progress=progress, evaluate=evaluate, final_eval=False).run()
+        net, _ = run.current_policy_net()
+    finally:
+        run.shutdown()
+    # The trial's score: the final policy on the validation days (the held-out days stay unseen
+    # by the sweep; `launch.evaluate` reports the winner there).
+    final = evaluate_against_hpa(net, cfg, cfg.final_eval_ticks, cfg.eval_shards, hpa_cache,
+                                 cfg.final_eval_replicas, split=split)
+    ck_dir = work / "checkpoint"
+    from learner.train_loop import CHECKPOINT_NAME
+    ck = copy_checkpoint(out["result"], ck_dir / CHECKPOINT_NAME)
+    tune.report(_row(final, {"final": True, "t_s": float(out["train_seconds"]), "env_steps": int(out["env_steps"]),
+                             "updates": int(out["updates"]), "eval_ticks": cfg.final_eval_ticks or -1,
+                             "trial_dir": str(trial_dir)}),
+                checkpoint=tune.Checkpoint.from_directory(str(ck_dir)) if ck is not None else None)
+    shutil.rmtree(work, ignore_errors=True)  # Tune has copied the checkpoint into the experiment folder
+
+
+# -- the driver ---------------------------------------------------------------------------------
+def ray_cpus(fixed: dict, space_max_actors: int, max_learners: int, concurrent: int) -> int:
+    """Logical CPUs a local cluster needs for `concurrent` trials of the largest size."""
+    per_trial = fixed["trial_cpus"] + space_max_actors * fixed["actor_cpus"] + max_learners * fixed["learner_cpus"]
+    return max(os.cpu_count() or 1, math.ceil(concurrent * per_trial - 1e-9))
+
+
+def domain_max(v, default: int) -> int:
+    """The largest value a (sampled or fixed) integer search-space entry can take."""
+    if isinstance(v, (int, float)):
+        return int(v)
+    if isinstance(v, dict) and "grid_search" in v:
+        return max(int(x) for x in v["grid_search"])
+    cats = getattr(v, "categories", None)
+    if cats is not None:
+        return max(int(x) for x in cats)
+    upper = getattr(v, "upper", None)
+    return int(upper) if upper is not None else default
+
+
+def results_table(grid) -> list[dict]:
+    """One row per trial: searched values, its last report and whether it ran to the end."""
+    rows = []
+    for res in grid:
+        m = res.metrics or {}
+        cfg = res.config or {}
+        sp = cfg.get("space", {})
+        row = {"trial_id": m.get("trial_id"), "status": "error" if res.error else
+               ("completed" if m.get("final") else "stopped early"),
+               "iterations": m.get("training_iteration"), **{k: sp[k] for k in sorted(sp)}}
+        for k in RESULT_COLUMNS:
+            row[k] = m.get(k)
+        row["checkpoint"] = res.checkpoint.path if res.checkpoint is not None else None
+        row["train_args"] = train_args(cfg) if cfg else None
+        rows.append(row)
+    return sorted(rows, key=lambda r: str(r["trial_id"]))
+
+
+def _ok(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def pick_best(rows: list[dict]) -> Optional[dict]:
+    """The highest final evaluation reward among trials that ran to the end; the periodic
+    reward of trials ASHA stopped (a shorter slice) only if none did."""
+    for pool in ([r for r in rows if r["status"] == "completed"], [r for r in rows if r["status"] != "error"]):
+        pool = [r for r in pool if _ok(r.get(METRIC))]
+        if pool:
+            return max(pool, key=lambda r: r[METRIC])
+    return None
