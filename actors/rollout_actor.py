@@ -21,7 +21,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from apex_bdq.config import ClusterConfig, TrainConfig, train_config_from_dict
+from apex_bdq.config import ClusterConfig, TrainConfig
 from apex_bdq.networks import BDQNetwork
 from apex_bdq.system import make_components
 from apex_bdq.messages import ActorStats, TransitionBatch, WeightPoll
@@ -53,7 +53,9 @@ class RolloutActor:
             raise ValueError("a rollout actor needs at least one replay shard")
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
-        self.cfg = train_config_from_dict(cfg) if isinstance(cfg, dict) else cfg
+        if not isinstance(cfg, TrainConfig):
+            raise TypeError(f"a rollout actor takes a TrainConfig, got {type(cfg).__name__}")
+        self.cfg = cfg
         torch.set_num_threads(1)
         self.actor_id, self.num_actors = actor_id, num_actors
         S = self.cfg.sim.num_shards

@@ -265,12 +265,12 @@ class PreferenceStats(_Message):
 class LearnerLoopConfig:
     """What the driver hands each Ray Train worker (`train_loop_per_worker`).
 
-    cfg is the TrainConfig as a dict (Ray Train pickles it into every worker); shards and
+    cfg is the run's TrainConfig (Ray Train pickles it into every worker); shards and
     specs are the replay shards' handles and their shared-memory specs; source, when set,
     replaces the replay route with a fixed list of SampledBatch (group batches: each rank
     takes its rows), for replaying recorded batches offline."""
 
-    cfg: dict
+    cfg: Any  # TrainConfig (not imported here: messages stay free of the config tree)
     backend: str = "ddp"
     shards: Optional[list] = None
     specs: Optional[list] = None

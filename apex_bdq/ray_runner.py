@@ -93,7 +93,6 @@ class ApexRun:
     def _build(self) -> None:
         import ray
         from actors.rollout_actor import remote_actor_class
-        from apex_bdq.checkpoint import config_to_dict
         from learner.weight_store import remote_store_class
         from replay_server.replay_actor import remote_shard_class
         s, parts = self.spec, make_components(self.cfg)
@@ -109,7 +108,7 @@ class ApexRun:
         ray.get([sh.ready.remote() for sh in self.shards])
         self.specs = ray.get([sh.shared_spec.remote() for sh in self.shards])
         # Rollout actors on the rollout nodes, each with its share of the simulated shards.
-        actor_cfg = config_to_dict(parts.actor_config(s))
+        actor_cfg = parts.actor_config(s)
         Actor = remote_actor_class(num_cpus=s.actor_cpus, resources=self._placement("rollout"),
                                    max_restarts=s.max_restarts)
         # Preference actor (pref.enabled): segments from the actors, ranked pairs (oracle, the
@@ -156,7 +155,6 @@ class ApexRun:
     def _trainer(self, minutes: float, max_updates: Optional[int]):
         from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
         from ray.train.torch import TorchTrainer
-        from apex_bdq.checkpoint import config_to_dict
         from apex_bdq.messages import LearnerLoopConfig
         from learner.train_loop import LOOP_KEY, train_loop_per_worker
         s = self.spec
@@ -166,7 +164,7 @@ class ApexRun:
         per_worker = {"CPU": s.learner_cpus, **self._placement("learner")}
         storage = s.storage_path or os.path.join(tempfile.gettempdir(), "apex_bdq_train")
         self.storage, self.run_name = storage, f"apex_bdq_{int(time.time())}"
-        loop = LearnerLoopConfig(cfg=config_to_dict(self.cfg), backend=s.backend, shards=self.shards, specs=self.specs,
+        loop = LearnerLoopConfig(cfg=self.cfg, backend=s.backend, shards=self.shards, specs=self.specs,
                                  shard_cfg=self.shard_cfg, store=self.store, preference=self.pref, minutes=minutes,
                                  max_updates=max_updates, publish_every=s.publish_every,
                                  checkpoint_every_s=s.checkpoint_every_s, use_gpu=s.use_gpu, resume=self.resume,

@@ -72,10 +72,10 @@ def _ray_train_params(cfg, batches: list, world: int, tmp_path, name: str) -> di
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from apex_bdq.checkpoint import config_to_dict, load_checkpoint
+    from apex_bdq.checkpoint import load_checkpoint
     from apex_bdq.messages import LearnerLoopConfig
     from learner.train_loop import CHECKPOINT_NAME, LOOP_KEY, train_loop_per_worker
-    lc = LearnerLoopConfig(cfg=config_to_dict(cfg), backend="ddp", batches=batches, minutes=5,
+    lc = LearnerLoopConfig(cfg=cfg, backend="ddp", batches=batches, minutes=5,
                            checkpoint_every_s=1e9)
     result = TorchTrainer(train_loop_per_worker, train_loop_config={LOOP_KEY: lc},
                           scaling_config=ScalingConfig(num_workers=world, resources_per_worker={"CPU": 1}),
