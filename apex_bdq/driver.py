@@ -82,11 +82,7 @@ class Driver:
             self.evaluate: Optional[Evaluate] = self._against_hpa
         else:
             self.evaluate = evaluate or None
-        self.bar = None
-        if progress:
-            from tqdm import tqdm
-            self.bar = tqdm(total=int(cfg.minutes * 60), unit="s", file=sys.stderr, dynamic_ncols=True,
-                            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} s {postfix}")
+        self.progress, self.bar = progress, None
         # The learning curve: one row per evaluation, carried on from a resumed run.
         self.history: list[dict] = list(runner.resumed.get("history", []))
         self.t_offset = float(self.history[-1]["t_s"]) if self.history else 0.0
@@ -104,9 +100,11 @@ class Driver:
         """What a checkpoint carries besides the learner: the learning curve."""
         return {"history": list(self.history)}
 
-    def _row(self, t_s: float, p: Progress, ev: dict, updates: Optional[int] = None) -> dict:
+    def _row(self, t_s: float, p: Progress, ev: dict, split: str, updates: Optional[int] = None) -> dict:
+        """A learning-curve row; `split` says which days it was measured on."""
         return {"t_s": self.t_offset + t_s, "env_steps": p.env_steps,
-                "updates": p.updates if updates is None else updates, **{k: ev[k] for k in EVAL_KEYS}}
+                "updates": p.updates if updates is None else updates, "split": split,
+                **{k: ev[k] for k in EVAL_KEYS}}
 
     def _show(self, t_s: float, p: Progress) -> None:
         if self.bar is None:
@@ -119,57 +117,76 @@ class Driver:
         self.bar.update(max(0, t - self.bar.n))
 
     def run(self, minutes: Optional[float] = None, max_updates: Optional[int] = None) -> dict:
-        """Train for `minutes` (default: the config's) or until `max_updates` learner updates."""
+        """Train for `minutes` (default: the config's) or until `max_updates` learner updates.
+        If anything fails in the loop (an evaluation, a callback, Ctrl-C), the runner is
+        still stopped before the error propagates."""
         cfg, r = self.cfg, self.runner
         minutes = cfg.minutes if minutes is None else minutes
+        if self.progress:
+            from tqdm import tqdm
+            self.bar = tqdm(total=int(minutes * 60), unit="s", file=sys.stderr, dynamic_ncols=True,
+                            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} s {postfix}")
         try:
             r.start(minutes, max_updates, self.counters)
-            t0 = time.perf_counter()
-            next_eval = cfg.eval_every_s
-            prev: Optional[tuple] = None  # (t, env_steps, updates) at the last poll
-            while r.running():
-                p = r.advance(min(t0 + next_eval, time.perf_counter() + POLL_S))
-                now = time.perf_counter() - t0
-                if p is None:  # the runner could not be asked this time (Ray: a component restarting)
-                    continue
-                self.last = p
-                st = {**p.status, "t_s": now}
-                if prev is not None and now > prev[0]:
-                    st["env_steps_per_s"] = (p.env_steps - prev[1]) / (now - prev[0])
-                    st["updates_per_s"] = p.updates_per_s if p.updates_per_s is not None else \
-                        (p.updates - prev[2]) / (now - prev[0])
-                prev = (now, p.env_steps, p.updates)
-                p.status = st
-                if self.evaluate is not None and now >= next_eval and p.version >= 0:
-                    net, version = r.policy()
-                    ev = self.evaluate(net, cfg.eval_ticks, cfg.eval_shards, 1)
-                    if ev is not None:
-                        st["eval"] = ev
-                        self._last_eval = ev["eval_reward"], ev["hpa_eval_reward"]
-                        self.history.append(self._row(now, p, ev, updates=version))
-                        if self.checkpoint:
-                            r.save(self.checkpoint, self.counters())
-                    next_eval = (time.perf_counter() - t0) + cfg.eval_every_s
-                self._show(now, p)
-                if self.on_progress is not None:
-                    self.on_progress(st)
-            train_s = time.perf_counter() - t0
+            train_s = self._loop(max(0.0, cfg.eval_every_s))
+        except BaseException:
+            try:
+                r.stop()
+            except BaseException as e:  # the first error is the one to see
+                print(f"note: stopping the runner after an error failed too: {type(e).__name__}: {e}", file=sys.stderr)
+            raise
         finally:
             if self.bar is not None:
                 self.bar.close()
         extra = r.stop()  # the runner's own result keys; the run's failure is raised here
         p = extra.pop("progress", None) or self.last
+        # Rates of this invocation: a resumed run's counters start from the checkpoint's.
+        env0, upd0 = int(r.resumed.get("env_steps", 0)), int(r.resumed.get("updates", 0))
         out = {"train_seconds": train_s, "env_steps": p.env_steps, "updates": p.updates,
-               "env_steps_per_s": p.env_steps / max(train_s, 1e-9),
-               "updates_per_s": p.updates_per_s if p.updates_per_s is not None else p.updates / max(train_s, 1e-9),
-               **extra}
+               "env_steps_per_s": (p.env_steps - env0) / max(train_s, 1e-9),
+               "updates_per_s": p.updates_per_s if p.updates_per_s is not None else
+               (p.updates - upd0) / max(train_s, 1e-9), **extra}
         if self.final_eval:
             net, _ = r.policy()
             final = self._against_hpa(net, cfg.final_eval_ticks, cfg.eval_shards, cfg.final_eval_replicas, split="eval")
-            self.history.append(self._row(train_s, p, final))
+            self.history.append(self._row(train_s, p, final, "eval"))
             out.update({k: final[k] for k in EVAL_KEYS + ("slo_violation_rate_diff_se",) if k in final})
             out.update(learned=final["learned"], hpa=final["hpa"])
         out["history"] = self.history
         if self.checkpoint:
             r.save(self.checkpoint, self.counters())
         return out
+
+    def _loop(self, eval_every_s: float) -> float:
+        """Poll the runner until it is done; returns the training time in seconds."""
+        cfg, r = self.cfg, self.runner
+        t0 = time.perf_counter()
+        next_eval = eval_every_s
+        prev: Optional[tuple] = None  # (t, env_steps, updates) at the last poll
+        while r.running():
+            p = r.advance(min(t0 + next_eval, time.perf_counter() + POLL_S))
+            now = time.perf_counter() - t0
+            if p is None:  # the runner could not be asked this time (Ray: a component restarting)
+                continue
+            self.last = p
+            st = {**p.status, "t_s": now}
+            if prev is not None and now > prev[0]:
+                st["env_steps_per_s"] = (p.env_steps - prev[1]) / (now - prev[0])
+                st["updates_per_s"] = p.updates_per_s if p.updates_per_s is not None else \
+                    (p.updates - prev[2]) / (now - prev[0])
+            prev = (now, p.env_steps, p.updates)
+            p.status = st
+            if self.evaluate is not None and now >= next_eval and p.version >= 0:
+                net, version = r.policy()
+                ev = self.evaluate(net, cfg.eval_ticks, cfg.eval_shards, 1)
+                if ev is not None:
+                    st["eval"] = ev
+                    self._last_eval = ev["eval_reward"], ev["hpa_eval_reward"]
+                    self.history.append(self._row(now, p, ev, selection_split(cfg.sim), updates=version))
+                    if self.checkpoint:
+                        r.save(self.checkpoint, self.counters())
+                next_eval = (time.perf_counter() - t0) + eval_every_s
+            self._show(now, p)
+            if self.on_progress is not None:
+                self.on_progress(st)
+        return time.perf_counter() - t0

@@ -79,7 +79,8 @@ class LocalTrainer:
             self.learner.load_state_dict(ck["learner"])
             c = ck["counters"]
             self.decisions, self.rollout.env_steps = int(c["decisions"]), int(c["env_steps"])
-            self.resumed = {"history": list(c["history"]), "env_steps": int(c["env_steps"])}
+            self.resumed = {"history": list(c["history"]), "env_steps": int(c["env_steps"]),
+                            "updates": self.learner.updates}
         except (KeyError, TypeError, ValueError, RuntimeError) as e:
             if isinstance(e, CheckpointError):
                 raise

@@ -75,8 +75,10 @@ class ApexRun:
         self._actor_offset: dict = {}  # actor -> (env_steps, overload_ticks) of its dead incarnations
         self._shard_pids: dict = {}
         self._pref_pid = None
-        self._last_copied = None
+        self._last_copied = None  # the learner checkpoint last copied to spec.checkpoint_path
         self._restarts: dict = {}
+        self._fit_thread: Optional[threading.Thread] = None  # Ray Train's fit(), once started
+        self._failure: Optional[BaseException] = None  # what stopped the run early
         self.feedback_log = None
 
     # -- components ------------------------------------------------------------------------
@@ -325,12 +327,11 @@ class ApexRun:
             except BaseException as e:  # re-raised by stop(), in the driver's thread
                 self._fit["error"] = e
 
-        self._failure: Optional[BaseException] = None
         self._fit_thread = threading.Thread(target=fit, name="train-fit", daemon=True)
         self._fit_thread.start()
 
     def running(self) -> bool:
-        return self._fit_thread.is_alive() and self._failure is None
+        return self._fit_thread is not None and self._fit_thread.is_alive() and self._failure is None
 
     def advance(self, deadline: float) -> Optional[Progress]:
         """One supervision poll: wait for the learner group until `deadline` (at most a
@@ -346,15 +347,15 @@ class ApexRun:
             self._fit_thread.join(timeout=120)
             return None
         try:
+            self._copy_latest_checkpoint()
+        except OSError as e:
+            print(f"note: copying the latest checkpoint to {self.spec.checkpoint_path} failed: {e}")
+        try:
             st = self.status()
             self._last_env_steps = st["env_steps"]
         except ray.exceptions.RayError as e:
             print(f"note: the run's status could not be read this time: {type(e).__name__}")
             return None
-        try:
-            self._copy_latest_checkpoint()
-        except OSError as e:
-            print(f"note: copying the latest checkpoint to {self.spec.checkpoint_path} failed: {e}")
         return self._progress(st)
 
     @staticmethod
@@ -369,29 +370,43 @@ class ApexRun:
         return self.current_policy_net()
 
     def save(self, path: str, counters: dict) -> None:
-        """The run's checkpoint file is the learner's, copied as it lands; this adds the
-        driver's counters to it (nothing to do before the first one)."""
-        if path and Path(path).is_file():
+        """The run's checkpoint file is the learner's, copied to spec.checkpoint_path as it
+        lands; this adds the driver's counters to it. Nothing to do before this run has
+        copied one (a file already there belongs to an earlier run: it keeps its own
+        counters). A failure to write is reported, not fatal: the next save tries again."""
+        if not path:
+            return
+        if os.path.abspath(path) != os.path.abspath(self.spec.checkpoint_path or ""):
+            raise ValueError(f"the Ray runner writes its checkpoint to cluster.checkpoint_path "
+                             f"({self.spec.checkpoint_path!r}), not {path!r}")
+        if self._last_copied is None:
+            return
+        try:
             annotate_checkpoint(Path(path), {**self.counters(), **counters})
+        except (OSError, CheckpointError) as e:
+            print(f"note: writing the run's counters into {path} failed: {e}")
 
     def stop(self) -> dict:
         """Stop the actors, collect their figures and the learner group's result; raise what
         stopped the run early. Returns the runner's own result keys."""
         import ray
-        self.store.set_stop.remote(True)
-        for sh in self.shards:  # no learner any more: let blocked inserts through so actors can stop
+        if getattr(self, "store", None) is not None:
+            self.store.set_stop.remote(True)
+        for sh in getattr(self, "shards", []):  # no learner any more: let blocked inserts through
             sh.release.remote()
         actor_stats = []
-        for i, ref in enumerate(self.actor_runs):
+        for i, ref in enumerate(getattr(self, "actor_runs", [])):
             if ref is None:
                 continue
             try:
                 actor_stats.append(ray.get(ref, timeout=120).as_dict())
             except ray.exceptions.RayError as e:
                 actor_stats.append(ActorStats(actor=i, error=repr(e)).as_dict())
-        self._fit_thread.join()
-        if self._failure is not None:
+        if self._failure is not None:  # the learner was told to stop and given 120 s in advance()
             raise self._failure
+        if self._fit_thread is None:  # start() failed before the learner group: nothing ran
+            return {}
+        self._fit_thread.join()
         if "error" in self._fit:
             raise self._fit["error"]
         result = self._fit["result"]
@@ -400,6 +415,7 @@ class ApexRun:
         ck = None
         if self.spec.checkpoint_path and copy_checkpoint(result, self.spec.checkpoint_path) is not None:
             ck = self.spec.checkpoint_path
+            self._last_copied = (ck, "final")
             annotate_checkpoint(Path(ck), self.counters())  # the final one
         lr = st.get("learner") or {}
         s = self.spec

@@ -29,20 +29,25 @@ from apex_bdq.sim.trace import TraceError
 from launch._io import save_figure, write_json
 
 def plot_curve(history: list[dict], path: str) -> None:
-    """Reward and SLO violation rate over training; periodic points are slices of the
-    validation days, the last one is the whole held-out range (so the HPA line steps there)."""
+    """Reward and SLO violation rate over training: periodic points on slices of the
+    validation days, and each final evaluation on the whole held-out range (rows with
+    split "eval"; in a history written before rows named their split, the last row)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    final = [i for i, h in enumerate(history) if h.get("split") == "eval"] or [len(history) - 1]
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-    t = [h["t_s"] / 60 for h in history]
     for ax, key, hkey, label in ((ax1, "eval_reward", "hpa_eval_reward", "mean reward per tick"),
                                  (ax2, "slo_violation_rate", "hpa_slo_violation_rate", "SLO violation rate")):
-        ax.plot(t[:-1], [h[key] for h in history[:-1]], "o-", color="C0", label="BDQ (greedy), periodic: validation days, 8 phases x eval_ticks")
-        ax.plot(t[-1:], [history[-1][key]], "o", color="C0", ms=10, mfc="none", label="BDQ, whole held-out range")
-        if all(hkey in h for h in history):
-            ax.plot(t[:-1], [h[hkey] for h in history[:-1]], "s--", color="C1", label="HPA, periodic")
-            ax.plot(t[-1:], [history[-1][hkey]], "s", color="C1", ms=10, mfc="none", label="HPA, whole held-out range")
+        for rows, style, ms, what in (([i for i in range(len(history)) if i not in final], "o-", 6,
+                                       "periodic: validation days, 8 phases x eval_ticks"),
+                                      (final, "o", 10, "whole held-out range")):
+            t = [history[i]["t_s"] / 60 for i in rows]
+            ax.plot(t, [history[i][key] for i in rows], style, color="C0", ms=ms,
+                    mfc=None if ms == 6 else "none", label=f"BDQ (greedy), {what}")
+            if all(hkey in history[i] for i in rows):
+                ax.plot(t, [history[i][hkey] for i in rows], "s--" if ms == 6 else "s", color="C1", ms=ms,
+                        mfc=None if ms == 6 else "none", label=f"HPA, {what}")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     ax1.legend(fontsize=8)

@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 
 from apex_bdq.checkpoint import config_to_dict, save_checkpoint
+from apex_bdq.config import TrainConfig
 from apex_bdq.messages import LearnerLoopConfig, LearnerReport, PriorityUpdate, SampledBatch
 from apex_bdq.ray_util import answers
 from apex_bdq.system import make_components
@@ -283,6 +284,8 @@ class LearnerWorker:
         ctx = ray.train.get_context()
         self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
         self.lc = lc
+        if not isinstance(lc.cfg, TrainConfig):
+            raise TypeError(f"LearnerLoopConfig.cfg must be a TrainConfig, got {type(lc.cfg).__name__}")
         self.cfg = cfg = lc.cfg
         torch.set_num_threads(max(1, int(lc.torch_threads)))
         device = torch.device("cuda", torch.cuda.current_device()) if lc.use_gpu and torch.cuda.is_available() \
