@@ -182,10 +182,18 @@ def judge(m: dict, frontiers: dict, oracle: list[dict]) -> dict:
     gap = None
     if c_star is not None and c_oracle is not None and c_star - c_oracle > 1e-12:
         gap = (c_star - c) / (c_star - c_oracle)
+    # The same two figures against each rule's own frontier (None where its sweep does not
+    # reach the policy's violation rate or cost).
+    per_rule = {}
+    for rule, pts in frontiers.items():
+        cr, vr = cost_at(pareto(pts), v, floor), violation_at(pareto(pts), c, floor)
+        per_rule[rule] = {"cost_saving": None if cr is None else 1.0 - c / cr,
+                          "violation_ratio": None if not vr else v / vr}
     return {"cost_saving_vs_best_rule": saving, "violation_ratio_vs_best_rule": ratio,
             "oracle_gap_closed": gap, "refused_share": m.get("refused_share"),
             "best_rule_at_violation_rate": rule_c, "best_rule_cost": c_star,
-            "best_rule_at_cost": rule_v, "best_rule_violation_rate": v_star, "oracle_cost": c_oracle}
+            "best_rule_at_cost": rule_v, "best_rule_violation_rate": v_star, "oracle_cost": c_oracle,
+            "vs_rules": per_rule}
 
 
 def headroom(frontiers: dict, oracle: list[dict], rates: tuple[float, ...], windows: int) -> list[dict]:

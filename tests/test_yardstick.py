@@ -48,6 +48,10 @@ def test_judge_gives_saving_ratio_and_oracle_gap_by_hand():
     cheaper = [pt(0.015, 2.2), pt(0.03, 1.9)]
     j2 = ys.judge(m, {"rule": RULE, "cheaper": cheaper}, ORACLE)
     assert j2["best_rule_at_violation_rate"] == "cheaper" and j2["cost_saving_vs_best_rule"] < 0.2
+    # Against each rule's own frontier too: the best rule's figures are the headline ones.
+    assert j2["vs_rules"]["rule"]["cost_saving"] == pytest.approx(0.2)
+    assert j2["vs_rules"]["rule"]["violation_ratio"] == pytest.approx(0.5)
+    assert j2["vs_rules"]["cheaper"]["cost_saving"] == pytest.approx(j2["cost_saving_vs_best_rule"])
     # Outside every sweep: no saving figure rather than an extrapolated one.
     out = ys.judge({**m, "slo_violation_rate": 0.5}, {"rule": RULE}, ORACLE)
     assert out["cost_saving_vs_best_rule"] is None and out["oracle_gap_closed"] is None
