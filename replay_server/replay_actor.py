@@ -96,8 +96,12 @@ class ReplayShard:
 
     # -- identity ------------------------------------------------------------------------
     def node_id(self) -> str:
+        """The Ray node this shard runs on; "local" outside Ray (ray.get_runtime_context()
+        would start a whole local cluster as a side effect when Ray is not initialised)."""
         try:
             import ray
+            if not ray.is_initialized():
+                return "local"
             return ray.get_runtime_context().get_node_id()
         except Exception:
             return "local"

@@ -1,4 +1,5 @@
 import os
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -106,11 +107,22 @@ def _module_cluster_guard(request):
     if mc is not None and (bad := mc.problem()):
         mc.restore()
         pytest.fail(f"the module's shared Ray cluster {bad} before {request.node.nodeid} started")
+    was_up = _ray_initialized()
     yield
+    if mc is None and not was_up and _ray_initialized() and "own_ray_cluster" not in request.fixturenames:
+        import ray
+        ray.shutdown()  # the next tests start clean; this one fails
+        pytest.fail(f"{request.node.nodeid} started a Ray cluster as a side effect (e.g. ray.get_runtime_context() "
+                    "outside Ray): it held Ray's ports and CPUs for the tests after it")
     if mc is not None and _module_cluster is mc and (bad := mc.problem()):
         mc.restore()  # the following tests run on the module's cluster again
         pytest.fail(f"{request.node.nodeid}: the module's shared Ray cluster {bad} during the test; a test "
                     "that needs a Ray of its own takes the `own_ray_cluster` fixture")
+
+
+def _ray_initialized() -> bool:
+    ray = sys.modules.get("ray")  # a test that never imported Ray started none
+    return bool(ray is not None and ray.is_initialized())
 
 
 @pytest.fixture

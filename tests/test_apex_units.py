@@ -60,6 +60,8 @@ def test_replay_shard_validates_chunks_and_counts(tmp_path):
     with pytest.raises(ReplayError, match="TransitionBatch"):
         shard.add({"reward": np.zeros(3)})
     st = shard.stats()
+    import ray
+    assert not ray.is_initialized() and st.node_id == "local"  # a plain shard starts no Ray cluster
     assert st.size == 10 and st.inserted == 10  # nothing of a refused chunk was written
     assert st.inserted_by_actor == {0: 10} and st.actor_versions == {0: 3} and st.env_steps == 100
     out = shard.sample(8)

@@ -45,10 +45,13 @@ def _ray_current_cluster_files() -> list:
 
 @pytest.fixture
 def ray_head(own_ray_cluster, tmp_path):
-    port, dash, mport = _free_port(), _free_port(), _free_port()
+    port, dash, mport, agent = _free_port(), _free_port(), _free_port(), _free_port()
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_metrics_report_interval_ms": "1000"}
     subprocess.run([RAY, "start", "--head", f"--port={port}", f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1",
-                    f"--metrics-export-port={mport}", "--num-cpus=4", '--resources={"rollout": 8, "learner": 8}',
+                    f"--metrics-export-port={mport}",
+                    # not the agent's default 52365: another Ray on this machine (a leftover local
+                    # cluster, a developer's) may hold it, and then no job can be submitted
+                    f"--dashboard-agent-listen-port={agent}", "--num-cpus=4", '--resources={"rollout": 8, "learner": 8}',
                     "--include-dashboard=true", "--disable-usage-stats"], check=True, env=env, capture_output=True,
                    timeout=120)
     try:
