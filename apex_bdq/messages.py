@@ -150,6 +150,15 @@ class PublishedWeights(_Message):
 
 
 @dataclass
+class StoreMeta(_Message):
+    """What a reader of the weight store needs besides the weights: the run's network config
+    (a NetConfig) and the names of its action branches."""
+
+    net: Any
+    branches: tuple = ()
+
+
+@dataclass
 class WeightPoll(_Message):
     """What an actor asks every K decisions, in one call: newer weights (None if it has the
     newest) and the run's stop flag."""

@@ -30,7 +30,7 @@ from apex_bdq.checkpoint import CheckpointError, load_checkpoint
 from apex_bdq.config import ClusterConfig, TrainConfig
 from apex_bdq.driver import Driver, Progress
 from apex_bdq.system import make_components
-from apex_bdq.messages import ActorStats, StoreStatus
+from apex_bdq.messages import ActorStats, StoreMeta, StoreStatus
 
 ROLLOUT_RESOURCE = "rollout"
 LEARNER_RESOURCE = "learner"
@@ -142,7 +142,7 @@ class ApexRun:
         the same cluster (the name taken) gets an unnamed one and says so."""
         from learner.weight_store import WEIGHT_STORE_NAME
         from actors.preference_actor import NAMESPACE
-        meta = {"net": dataclasses.asdict(self.cfg.net), "branches": list(self.cfg.sim.branch_names)}
+        meta = StoreMeta(net=self.cfg.net, branches=tuple(self.cfg.sim.branch_names))
         try:  # creating under a taken name raises; no check-then-create race between two runs
             store = Store.options(name=WEIGHT_STORE_NAME, namespace=NAMESPACE).remote(meta)
             self.store_named = True

@@ -151,7 +151,6 @@ class DecisionService:
         if opts.follow:
             import ray
             from actors.preference_actor import NAMESPACE
-            from apex_bdq.networks import NetConfig
             from learner.weight_store import WEIGHT_STORE_NAME
             try:
                 store = ray.get_actor(WEIGHT_STORE_NAME, namespace=NAMESPACE)
@@ -159,8 +158,10 @@ class DecisionService:
                 raise RuntimeError(f"no weight store {WEIGHT_STORE_NAME!r} in namespace {NAMESPACE!r}: is a "
                                    f"distributed training run going on this cluster?") from None
             meta = ray.get(store.meta.remote())
-            net_cfg = NetConfig(**meta["net"])
-            self.branches = tuple(meta.get("branches", [f"branch_{d}" for d in range(net_cfg.num_branches)]))
+            if meta is None:
+                raise RuntimeError(f"the weight store {WEIGHT_STORE_NAME!r} does not say which network it holds")
+            net_cfg = meta.net
+            self.branches = tuple(meta.branches) or tuple(f"branch_{d}" for d in range(net_cfg.num_branches))
             deadline = time.time() + opts.initial_wait_s
             while (got := ray.get(store.get_if_newer.remote(-1))) is None:
                 if time.time() > deadline:

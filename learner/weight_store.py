@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Optional
 
-from apex_bdq.messages import LearnerReport, PublishedWeights, StoreStatus, WeightPoll
+from apex_bdq.messages import LearnerReport, PublishedWeights, StoreMeta, StoreStatus, WeightPoll
 
 
 WEIGHT_STORE_NAME = "apex_bdq_weights"
@@ -20,8 +20,10 @@ WEIGHT_STORE_NAME = "apex_bdq_weights"
 
 
 class WeightStore:
-    def __init__(self, meta: Optional[dict] = None) -> None:
-        self._meta = dict(meta or {})
+    def __init__(self, meta: Optional[StoreMeta] = None) -> None:
+        if meta is not None and not isinstance(meta, StoreMeta):
+            raise TypeError(f"a weight store's meta is a StoreMeta, got {type(meta).__name__}")
+        self._meta = meta
         self.version = -1
         self._ref: list = []
         self.stop = False
@@ -52,9 +54,9 @@ class WeightStore:
         """What an actor asks every K decisions, in one call: newer weights and the stop flag."""
         return WeightPoll(weights=self.get_if_newer(version), stop=self.stop)
 
-    def meta(self) -> dict:
-        """What a reader needs besides the weights: the run's network config ("net")."""
-        return dict(self._meta)
+    def meta(self) -> Optional[StoreMeta]:
+        """What a reader needs besides the weights: the run's network config and branches."""
+        return self._meta
 
     def deadline(self, proposed: float) -> float:
         """The learner group's end time: the first group to ask sets it, a restarted one gets

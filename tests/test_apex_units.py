@@ -228,3 +228,13 @@ def test_cluster_settings_are_part_of_the_config_tree():
         apply_overrides(SMOKE, ["cluster.backend=zero3"])
     with pytest.raises(ConfigError, match="--replay-snapshot-dir"):
         ClusterConfig(replay_snapshot_every_s=5.0)
+
+
+def test_weight_store_meta_is_typed():
+    """The run's network config reaches Serve as a StoreMeta, never a dict of strings."""
+    from apex_bdq.messages import StoreMeta
+    from learner.weight_store import WeightStore
+    meta = StoreMeta(net=SMOKE.net, branches=tuple(SMOKE.sim.branch_names))
+    assert WeightStore(meta).meta() is meta and WeightStore().meta() is None
+    with pytest.raises(TypeError, match="StoreMeta, got dict"):
+        WeightStore({"net": {}})

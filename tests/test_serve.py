@@ -267,12 +267,13 @@ def test_handle_path_follows_a_weight_store(own_ray_cluster, tmp_path):
     from ray import serve
     from actors.preference_actor import NAMESPACE
     from apex_bdq.serve_app import ServeOptions, start
+    from apex_bdq.messages import StoreMeta
     from learner.weight_store import WEIGHT_STORE_NAME, remote_store_class, state_to_numpy
     os.environ["RAY_AUTH_MODE"] = "disabled"
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         store = remote_store_class().options(name=WEIGHT_STORE_NAME, namespace=NAMESPACE).remote(
-            {"net": dataclasses.asdict(NET), "branches": list(CFG.sim.branch_names)})
+            StoreMeta(net=NET, branches=tuple(CFG.sim.branch_names)))
         torch.manual_seed(5)
         net3, net5 = BDQNetwork(NET).eval(), BDQNetwork(NET).eval()
         ray.get(store.put.remote(3, state_to_numpy(net3)))
@@ -304,7 +305,7 @@ def test_handle_path_follows_a_weight_store(own_ray_cluster, tmp_path):
         wait_for(lambda: not _named_actor_exists(WEIGHT_STORE_NAME, NAMESPACE), 30,
                  "the killed store's name to be free")
         store2 = remote_store_class().options(name=WEIGHT_STORE_NAME, namespace=NAMESPACE).remote(
-            {"net": dataclasses.asdict(NET)})
+            StoreMeta(net=NET))
         ray.get(store2.put.remote(1, state_to_numpy(net3)))
         r = wait_for(lambda: decided(1), 30, "the deployment to follow the new store to version 1", interval=0.3)
         np.testing.assert_allclose(r["q"], q_of(net3, macro, micro), rtol=1e-5, atol=1e-5)
