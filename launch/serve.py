@@ -3,15 +3,8 @@
     python -m launch.serve --checkpoint runs/train/checkpoint.pt      # serve a checkpoint (and reload it when it changes)
     python -m launch.serve --follow --address auto                 # follow a running training run's weight store
 
-    POST /v1/decide    one or many shard observations (JSON or msgpack) -> actions, Q, version
-    POST /v1/feedback  ranked segment pairs -> the preference actor (bearer token required)
-    GET  /healthz      policy version and source, swaps, batching settings
-    GET  /docs, /openapi.json
-
-Requests are validated in the replica (4xx naming the problem), then queued into
-`@serve.batch`: concurrent requests are decided by one forward pass over all their shards.
-The policy is an immutable object swapped by reference when a newer version loads, so a
-request in flight finishes on the version it started with, and every answer names it.
+The routes (/v1/decide, /v1/feedback, /healthz, /docs) and how a request is decided are
+described in apex_bdq/serve_app.py, the deployment this command starts.
 Ingress: HAProxy in front of the replicas (`RAY_SERVE_ENABLE_HA_PROXY=1`, the default here,
 set before Ray starts; ~3x lower latency than Serve's Python proxy on this machine) or the
 default proxy (`--ingress proxy`).
