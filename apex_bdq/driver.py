@@ -68,15 +68,16 @@ Evaluate = Callable[..., Optional[dict]]  # (net, ticks, shards, replicas) -> ev
 class Driver:
     def __init__(self, cfg: TrainConfig, runner: Runner, checkpoint: Optional[str] = None, progress: bool = False,
                  on_progress: Optional[Callable[[dict], None]] = None, evaluate: Evaluate | bool = True,
-                 final_eval: bool = True) -> None:
+                 final_split: Optional[str] = "eval") -> None:
         """checkpoint: where the run's checkpoint goes (after every evaluation and at the
         end; the Ray runner also mirrors each learner checkpoint there as it lands).
         evaluate: True (the policy against HPA on the validation days, `evaluate_against_hpa`),
         False (no periodic evaluation), or a function (net, ticks, shards, replicas) ->
-        dict | None (None: skip this one). final_eval: the final evaluation on the whole
-        range `final_eval_replicas` times, and its keys in the result."""
+        dict | None (None: skip this one). final_split: the range of the final evaluation
+        ("eval", the held-out days; a sweep scores on the validation days; None: none), run
+        `final_eval_replicas` times, its keys in the result."""
         self.cfg, self.runner, self.checkpoint = cfg, runner, checkpoint
-        self.on_progress, self.final_eval = on_progress, final_eval
+        self.on_progress, self.final_split = on_progress, final_split
         self._hpa_cache: dict = {}
         if evaluate is True:
             self.evaluate: Optional[Evaluate] = self._against_hpa
@@ -146,10 +147,11 @@ class Driver:
                "env_steps_per_s": (p.env_steps - env0) / max(train_s, 1e-9),
                "updates_per_s": p.updates_per_s if p.updates_per_s is not None else
                (p.updates - upd0) / max(train_s, 1e-9), **extra}
-        if self.final_eval:
+        if self.final_split is not None:
             net, _ = r.policy()
-            final = self._against_hpa(net, cfg.final_eval_ticks, cfg.eval_shards, cfg.final_eval_replicas, split="eval")
-            self.history.append(self._row(train_s, p, final, "eval"))
+            final = self._against_hpa(net, cfg.final_eval_ticks, cfg.eval_shards, cfg.final_eval_replicas,
+                                      split=self.final_split)
+            self.history.append(self._row(train_s, p, final, self.final_split))
             out.update({k: final[k] for k in EVAL_KEYS + ("slo_violation_rate_diff_se",) if k in final})
             out.update(learned=final["learned"], hpa=final["hpa"])
         out["history"] = self.history

@@ -298,16 +298,6 @@ class ApexRun:
         return {"history": list(self.resumed.get("history", [])), **self._driver_counters(),
                 "env_steps": int(self._last_env_steps), "feedback_log": self.feedback_log}
 
-    def current_policy_net(self):
-        import ray
-        from apex_bdq.networks import BDQNetwork
-        from learner.weight_store import load_numpy_state
-        got = ray.get(self.store.get_if_newer.remote(-1))
-        net = BDQNetwork(self.cfg.net)
-        if got is not None:
-            load_numpy_state(net, ray.get(got.ref[0]))
-        return net, (got.version if got else -1)
-
     # -- the runner's side of the driver (apex_bdq/driver.py) -------------------------------
     def start(self, minutes: Optional[float] = None, max_updates: Optional[int] = None,
               counters: Optional[Callable[[], dict]] = None) -> None:
@@ -366,8 +356,16 @@ class ApexRun:
                         weight_lag=st["weight_lag"], updates_per_s=lr.get("updates_per_s"), status=st)
 
     def policy(self):
-        """The newest published weights (the weight store's) and their version."""
-        return self.current_policy_net()
+        """The newest published weights (the weight store's) as a network, and their version
+        (-1: none published yet)."""
+        import ray
+        from apex_bdq.networks import BDQNetwork
+        from learner.weight_store import load_numpy_state
+        got = ray.get(self.store.get_if_newer.remote(-1))
+        net = BDQNetwork(self.cfg.net)
+        if got is not None:
+            load_numpy_state(net, ray.get(got.ref[0]))
+        return net, (got.version if got else -1)
 
     def save(self, path: str, counters: dict) -> None:
         """The run's checkpoint file is the learner's, copied to spec.checkpoint_path as it
@@ -430,12 +428,12 @@ class ApexRun:
                 "preference": st.get("preference"), "checkpoint": ck}
 
     def run(self, minutes: Optional[float] = None, max_updates: Optional[int] = None,
-            on_progress: Optional[Callable[[dict], None]] = None, evaluate=False, final_eval: bool = False,
+            on_progress: Optional[Callable[[dict], None]] = None, evaluate=False, final_split: Optional[str] = None,
             progress: bool = False) -> dict:
         """Train with the driver (apex_bdq/driver.py); by default without evaluations, as
         benchmarks and tests run it."""
         return Driver(self.cfg, self, checkpoint=self.spec.checkpoint_path, progress=progress,
-                      on_progress=on_progress, evaluate=evaluate, final_eval=final_eval).run(minutes, max_updates)
+                      on_progress=on_progress, evaluate=evaluate, final_split=final_split).run(minutes, max_updates)
 
     def shutdown(self) -> None:
         import ray

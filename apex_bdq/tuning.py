@@ -196,19 +196,15 @@ def run_trial(config: dict) -> None:
         tune.report(_row(ev, {"final": False, "t_s": float(st["t_s"]), "env_steps": int(st.get("env_steps", 0)),
                               "updates": int(lr.get("updates", 0)), "eval_ticks": cfg.eval_ticks}))
 
-    try:
-        out = Driver(cfg, run, on_progress=progress, evaluate=evaluate, final_eval=False).run()
-        net, _ = run.current_policy_net()
+    try:  # the trial's score: its final policy on the validation days (the held-out days stay
+        # unseen by the sweep; `launch.evaluate` reports the winner there)
+        out = Driver(cfg, run, on_progress=progress, evaluate=evaluate, final_split=split).run()
     finally:
         run.shutdown()
-    # The trial's score: the final policy on the validation days (the held-out days stay unseen
-    # by the sweep; `launch.evaluate` reports the winner there).
-    final = evaluate_against_hpa(net, cfg, cfg.final_eval_ticks, cfg.eval_shards, hpa_cache,
-                                 cfg.final_eval_replicas, split=split)
     ck_dir = work / "checkpoint"
     from learner.train_loop import CHECKPOINT_NAME
     ck = copy_checkpoint(out["result"], ck_dir / CHECKPOINT_NAME)
-    tune.report(_row(final, {"final": True, "t_s": float(out["train_seconds"]), "env_steps": int(out["env_steps"]),
+    tune.report(_row(out, {"final": True, "t_s": float(out["train_seconds"]), "env_steps": int(out["env_steps"]),
                              "updates": int(out["updates"]), "eval_ticks": cfg.final_eval_ticks or -1,
                              "trial_dir": str(trial_dir)}),
                 checkpoint=tune.Checkpoint.from_directory(str(ck_dir)) if ck is not None else None)

@@ -63,7 +63,7 @@ def _eval(net, ticks, shards, replicas):
 def test_driver_evaluates_saves_and_builds_the_result():
     r = ScriptedRunner()
     seen = []
-    out = Driver(CFG, r, checkpoint="ck.pt", evaluate=_eval, final_eval=False, on_progress=seen.append).run(
+    out = Driver(CFG, r, checkpoint="ck.pt", evaluate=_eval, final_split=None, on_progress=seen.append).run(
         minutes=0.5, max_updates=99)
     assert r.calls[0] == ("start", 0.5, 99) and r.calls[-1] == ("stop",)
     assert out["updates"] == 12 and out["env_steps"] == 120 and out["runner_only"] == 7
@@ -82,7 +82,7 @@ def test_driver_evaluates_saves_and_builds_the_result():
 
 def test_a_skipped_evaluation_adds_no_row_and_none_polls_are_tolerated():
     r = ScriptedRunner(none_every=3)
-    out = Driver(CFG, r, evaluate=lambda *a: None, final_eval=False).run()
+    out = Driver(CFG, r, evaluate=lambda *a: None, final_split=None).run()
     assert out["history"] == [] and r.saves == []
     assert out["updates"] == 8  # 12 polls, every third answered None
 
@@ -91,7 +91,7 @@ def test_a_resumed_run_continues_the_curve_and_counts_its_own_rates():
     old = [{"t_s": 100.0, "env_steps": 1000, "updates": 50, "split": "eval", "eval_reward": 0.0,
             "hpa_eval_reward": 0.0, "slo_violation_rate": 0.0, "hpa_slo_violation_rate": 0.0}]
     r = ScriptedRunner(resumed={"history": old, "env_steps": 1000, "updates": 50})
-    out = Driver(CFG, r, evaluate=_eval, final_eval=False).run()
+    out = Driver(CFG, r, evaluate=_eval, final_split=None).run()
     assert out["history"][0] == old[0] and len(out["history"]) > 1
     assert all(h["t_s"] > 100.0 for h in out["history"][1:])  # the clock goes on from the checkpoint's
     assert out["updates"] == 62 and out["env_steps"] == 1120
@@ -102,7 +102,7 @@ def test_a_resumed_run_continues_the_curve_and_counts_its_own_rates():
 def test_an_error_in_the_loop_still_stops_the_runner():
     r = ScriptedRunner(fail_in_advance=3)
     with pytest.raises(RuntimeError, match="advance failed"):
-        Driver(CFG, r, evaluate=False, final_eval=False).run()
+        Driver(CFG, r, evaluate=False, final_split=None).run()
     assert r.calls[-1] == ("stop",)
 
     def boom(st):
@@ -110,5 +110,5 @@ def test_an_error_in_the_loop_still_stops_the_runner():
 
     r = ScriptedRunner()
     with pytest.raises(KeyError, match="callback"):
-        Driver(CFG, r, evaluate=False, final_eval=False, on_progress=boom).run()
+        Driver(CFG, r, evaluate=False, final_split=None, on_progress=boom).run()
     assert r.calls[-1] == ("stop",)
