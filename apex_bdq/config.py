@@ -70,6 +70,36 @@ class TraceConfig:
             _check(len(self.columns) > 0, "trace.columns must name at least one column")
 
 
+@dataclass(frozen=True)
+class AugmentConfig:
+    """Training-time reshaping of the trace, so that a policy meets load shapes its training
+    days do not hold (platform v2; training episodes only, never an evaluation or the
+    validation days). Every episode each shard draws its own: a rate scale, a time warp (how
+    many trace seconds pass per platform second: > 1 replays the day faster, so load moves
+    more per provisioning delay) and flash-crowd bursts on top. Seeded by the simulator's
+    seed: the same seed draws the same shapes."""
+
+    enabled: bool = False
+    scale: tuple[float, float] = (0.7, 1.4)
+    """Log-uniform range of the per-episode rate multiplier (1 = the trace's own level)."""
+    time_warp: tuple[float, float] = (0.5, 2.0)
+    """Log-uniform range of trace seconds per platform second."""
+    bursts_per_hour: float = 1.0
+    """Mean flash crowds per shard and hour of platform time (Poisson)."""
+    burst_height: tuple[float, float] = (0.3, 1.5)
+    """Uniform range of a burst's peak, as a share of the rate it lands on (0.5: +50 %)."""
+    burst_s: tuple[float, float] = (60.0, 900.0)
+    """Uniform range of a burst's length; its profile is a half sine (rises, peaks, fades)."""
+
+    def __post_init__(self) -> None:
+        for name in ("scale", "time_warp", "burst_height", "burst_s"):
+            lo, hi = getattr(self, name)
+            low_ok = lo >= 0 if name == "burst_height" else lo > 0
+            _check(low_ok and lo <= hi, f"sim.augment.{name} must be (lo, hi) with "
+                                        f"{'0 <=' if name == 'burst_height' else '0 <'} lo <= hi, got {(lo, hi)!r}")
+        _check(self.bursts_per_hour >= 0, f"sim.augment.bursts_per_hour must be >= 0, got {self.bursts_per_hour!r}")
+
+
 # Service times of the bundled trace's four classes: invocation-weighted mean duration of the
 # Azure Functions 2019 top-50 functions grouped by mean duration (apex_bdq/data/
 # azure_functions2019_4class_meta.csv; a test keeps the two equal).
@@ -187,6 +217,8 @@ class SimConfig:
     latency_cap_factor: float = 20.0
     """Reported latency is capped at this multiple of the class SLO (overload)."""
     trace: TraceConfig = field(default_factory=TraceConfig)
+    augment: AugmentConfig = field(default_factory=AugmentConfig)
+    """Training-time trace augmentation (platform v2; off by default)."""
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -222,6 +254,7 @@ class SimConfig:
         _check(self.latency_cap_factor > 1,
                f"sim.latency_cap_factor must be > 1, got {self.latency_cap_factor!r}")
         _check(self.episode_ticks >= 1, f"sim.episode_s={self.episode_s} is shorter than one tick")
+        _check(not self.augment.enabled or self.platform == "v2", "sim.augment is a platform v2 option")
         if self.platform == "v2":
             _check(not self.per_class_capacity, "sim.per_class_capacity is a v1 option: platform v2 always has "
                                                 "one pool per class")
@@ -297,6 +330,7 @@ def sim_config_from_dict(d: dict) -> SimConfig:
     tr = dict(d.pop("trace", {}) or {})
     if tr.get("columns") is not None:
         tr["columns"] = tuple(tr["columns"])
+    aug = {k: (tuple(v) if isinstance(v, list) else v) for k, v in (d.pop("augment", None) or {}).items()}
     for k in ("class_share", "service_time_s", "slo_factor", "plan_factors", "hold_s", "seasonal_leads_s"):
         if d.get(k) is not None:
             d[k] = tuple(d[k])
@@ -304,7 +338,7 @@ def sim_config_from_dict(d: dict) -> SimConfig:
     unknown = sorted(set(d) - known)
     if unknown:
         raise ConfigError(f"unknown sim config keys: {unknown}")
-    return SimConfig(trace=TraceConfig(**tr), **d)
+    return SimConfig(trace=TraceConfig(**tr), augment=AugmentConfig(**aug), **d)
 
 
 @dataclass(frozen=True)
@@ -553,6 +587,32 @@ BACKENDS = ("ddp", "deepspeed", "accelerate")
 
 
 @dataclass(frozen=True)
+class GuardConfig:
+    """The guard around the learned policy on platform v2 (apex_bdq/guard.py): part of the
+    policy, on in evaluation and serving, off while it explores. It bounds each learned
+    decision relative to the reference rule's (the platform's default setting: plan 1.3 x the
+    monitored load, 300-s hold, admit everything; a reactive rule sized with the queueing
+    model that sits on the best rule's frontier) and falls back to that rule on a shard whose
+    observation lies outside what training covered."""
+
+    enabled: bool = True
+    plan_below: int = 1
+    """Plan-factor levels the learned plan may sit below the rule's (1: 1.15 vs 1.3)."""
+    plan_above: int = 2
+    """Plan-factor levels it may sit above (2: up to 1.75)."""
+    max_admission: int = 0
+    """Highest admission level allowed (0: admit everything, as the rule does)."""
+    ood_margin: float = 0.25
+    """A feature is outside training's coverage beyond [lo - m (hi - lo), hi + m (hi - lo)]."""
+
+    def __post_init__(self) -> None:
+        _check(self.plan_below >= 0 and self.plan_above >= 0,
+               f"guard.plan_below / plan_above must be >= 0, got {self.plan_below!r} / {self.plan_above!r}")
+        _check(self.max_admission >= 0, f"guard.max_admission must be >= 0, got {self.max_admission!r}")
+        _check(self.ood_margin >= 0, f"guard.ood_margin must be >= 0, got {self.ood_margin!r}")
+
+
+@dataclass(frozen=True)
 class ClusterConfig:
     """How a distributed run is laid out on Ray: how many of each component, what each asks
     the scheduler for, how they talk, and how they recover. `launch.train`'s distributed
@@ -640,10 +700,17 @@ class TrainConfig:
     agent: AgentConfig = field(default_factory=AgentConfig)
     pref: PreferenceConfig = field(default_factory=PreferenceConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    """The learned policy's guard in evaluation and serving (platform v2)."""
     """The distributed layout (ignored by `--local` runs)."""
     minutes: float = 9.0
     """Wall-clock budget for collection, learning and the periodic evaluations (the final
-    evaluation comes after)."""
+    evaluation comes after). With `updates` set it is only a cap: the run ends at whichever
+    comes first, and its result says which (`stopped_by`)."""
+    updates: Optional[int] = None
+    """The run's budget of record: learner updates of this invocation (None: the time budget
+    alone). A figure measured at N updates reproduces on a machine of any speed; one measured
+    in minutes moves with the machine (this VM's speed drifts +-3x between days)."""
     max_env_ticks: Optional[int] = None
     """Stop after this many simulator ticks (None: only the time budget)."""
     eval_every_s: float = 120.0
@@ -665,6 +732,8 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _check(self.minutes > 0, f"train.minutes must be > 0, got {self.minutes!r}")
+        _check(self.updates is None or (isinstance(self.updates, int) and self.updates >= 1),
+               f"train.updates must be an int >= 1 (or none), got {self.updates!r}")
         _check(self.eval_ticks >= 1 and self.eval_shards >= 1, "train.eval_ticks and eval_shards must be >= 1")
         _check(self.final_eval_replicas >= 1, f"train.final_eval_replicas must be >= 1, got {self.final_eval_replicas!r}")
         _check(self.sim.episode_ticks % self.agent.decision_ticks == 0,
@@ -726,7 +795,9 @@ def train_config_from_dict(d: dict) -> TrainConfig:
     if "oracle_weights" in pref:
         pref["oracle_weights"] = tuple(pref["oracle_weights"])
     cluster = ClusterConfig(**(d.pop("cluster", None) or {}))  # none in checkpoints before 2026-12-02
-    return TrainConfig(sim=sim, net=net, agent=agent, pref=PreferenceConfig(**pref), cluster=cluster, **d)
+    guard = GuardConfig(**(d.pop("guard", None) or {}))  # none before 2026-12-02 (evening)
+    return TrainConfig(sim=sim, net=net, agent=agent, pref=PreferenceConfig(**pref), cluster=cluster, guard=guard,
+                       **d)
 
 
 def _parse_override(key: str, raw: str, hint: Any) -> Any:
@@ -771,9 +842,10 @@ def apply_overrides(cfg: TrainConfig, items: list[str]) -> TrainConfig:
         key, raw = item.split("=", 1)
         parts = key.strip().split(".")
         sections, name = parts[:-1], parts[-1]
-        if sections not in ([], ["sim"], ["agent"], ["net"], ["pref"], ["cluster"], ["sim", "trace"]):
+        if sections not in ([], ["sim"], ["agent"], ["net"], ["pref"], ["cluster"], ["sim", "trace"],
+                            ["sim", "augment"], ["guard"]):
             raise ConfigError(f"override key {key!r}: use NAME or sim.NAME, agent.NAME, net.NAME, pref.NAME, "
-                              "cluster.NAME, sim.trace.NAME")
+                              "cluster.NAME, guard.NAME, sim.trace.NAME, sim.augment.NAME")
         chain = [cfg]  # the dataclasses from the top down to the one holding `name`
         for sec in sections:
             chain.append(getattr(chain[-1], sec))

@@ -90,12 +90,12 @@ class Driver:
         self.last: Progress = Progress()
         self._last_eval = float("nan"), float("nan")
 
-    def _against_hpa(self, net, ticks, shards, replicas=1, split: Optional[str] = None) -> dict:
+    def _against_hpa(self, net, ticks, shards, replicas=1, split: Optional[str] = None, unguarded=False) -> dict:
         """Periodic evaluations look at the validation days (or the training range): what a
         person watching the curve sees never comes from the held-out days; the final
-        evaluation (split="eval") does."""
+        evaluation (split="eval") does, with and without the policy's guard."""
         return evaluate_against_hpa(net, self.cfg, ticks, shards, self._hpa_cache, replicas,
-                                    split=split or selection_split(self.cfg.sim))
+                                    split=split or selection_split(self.cfg.sim), unguarded=unguarded)
 
     def counters(self) -> dict:
         """What a checkpoint carries besides the learner: the learning curve."""
@@ -118,11 +118,15 @@ class Driver:
         self.bar.update(max(0, t - self.bar.n))
 
     def run(self, minutes: Optional[float] = None, max_updates: Optional[int] = None) -> dict:
-        """Train for `minutes` (default: the config's) or until `max_updates` learner updates.
-        If anything fails in the loop (an evaluation, a callback, Ctrl-C), the runner is
-        still stopped before the error propagates."""
+        """Train for `minutes` (default: the config's) or until `max_updates` learner updates
+        of this invocation (default: the config's `updates`), whichever comes first; the
+        result's `stopped_by` says which ("updates"; "minutes" when the clock ended it, so a
+        run with an update budget did not reach it; "other": the env-tick budget). If anything
+        fails in the loop (an evaluation, a callback, Ctrl-C), the runner is still stopped
+        before the error propagates."""
         cfg, r = self.cfg, self.runner
         minutes = cfg.minutes if minutes is None else minutes
+        max_updates = cfg.updates if max_updates is None else max_updates
         if self.progress:
             from tqdm import tqdm
             self.bar = tqdm(total=int(minutes * 60), unit="s", file=sys.stderr, dynamic_ncols=True,
@@ -147,13 +151,18 @@ class Driver:
                "env_steps_per_s": (p.env_steps - env0) / max(train_s, 1e-9),
                "updates_per_s": p.updates_per_s if p.updates_per_s is not None else
                (p.updates - upd0) / max(train_s, 1e-9), **extra}
+        out["updates_budget"] = max_updates
+        out["stopped_by"] = ("updates" if max_updates is not None and p.updates - upd0 >= max_updates else
+                             "minutes" if train_s >= 0.99 * minutes * 60.0 else "other")  # other: env ticks, data
         if self.final_split is not None:
             net, _ = r.policy()
             final = self._against_hpa(net, cfg.final_eval_ticks, cfg.eval_shards, cfg.final_eval_replicas,
-                                      split=self.final_split)
+                                      split=self.final_split, unguarded=True)
             self.history.append(self._row(train_s, p, final, self.final_split))
             out.update({k: final[k] for k in EVAL_KEYS + ("slo_violation_rate_diff_se",) if k in final})
             out.update(learned=final["learned"], hpa=final["hpa"])
+            if "learned_unguarded" in final:
+                out["learned_unguarded"] = final["learned_unguarded"]
         out["history"] = self.history
         if self.checkpoint:
             r.save(self.checkpoint, self.counters())

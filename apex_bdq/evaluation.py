@@ -183,19 +183,42 @@ def selection_split(cfg: SimConfig) -> str:
     return "val" if cfg.trace.validation_fraction > 0 else "train"
 
 
+def learned_policy(net, cfg: TrainConfig, guarded: bool = True):
+    """The learned policy as it is evaluated and served: greedy in `net`, re-decided every
+    `decision_ticks`, under the run's guard when it has one (platform v2, guard.enabled)."""
+    from apex_bdq.checkpoint import GreedyPolicy
+    pol = GreedyPolicy(net, cfg.agent.decision_ticks)
+    if guarded:
+        from apex_bdq.guard import GuardedPolicy, guard_for
+        g = guard_for(cfg)
+        if g is not None:
+            return GuardedPolicy(pol, g)
+    return pol
+
+
+def evaluate_learned(net, cfg: TrainConfig, ticks: Optional[int], shards: int, replicas: int = 1,
+                     split: str = "eval", guarded: bool = True) -> dict:
+    """Metrics of `learned_policy` (with the guard's shares when it ran under one)."""
+    pol = learned_policy(net, cfg, guarded)
+    m = evaluate_policy(pol, cfg.sim, shards=shards, ticks=ticks, replicas=replicas, split=split).metrics
+    if hasattr(pol, "shares"):
+        m.update(pol.shares())
+    m["guarded"] = hasattr(pol, "shares")
+    net.train()
+    return m
+
+
 def evaluate_against_hpa(net, cfg: TrainConfig, ticks: Optional[int], shards: int, hpa_cache: dict,
-                         replicas: int = 1, split: str = "eval") -> dict:
-    """Greedy `net` and Kubernetes HPA on the held-out range (or `split`), covered `replicas`
-    times with independent arrivals (HPA, deterministic for a config, is evaluated once per
-    setting and cached in `hpa_cache`)."""
+                         replicas: int = 1, split: str = "eval", unguarded: bool = False) -> dict:
+    """The learned policy (under its guard) and Kubernetes HPA on the held-out range (or
+    `split`), covered `replicas` times with independent arrivals (HPA, deterministic for a
+    config, is evaluated once per setting and cached in `hpa_cache`). unguarded: also the
+    bare network's metrics under "learned_unguarded" (when the policy has a guard)."""
     import math
     import statistics
 
-    from apex_bdq.checkpoint import GreedyPolicy
     from apex_bdq.sim.baselines import HPA
-    learned = evaluate_policy(GreedyPolicy(net, cfg.agent.decision_ticks), cfg.sim, shards=shards, ticks=ticks,
-                              replicas=replicas, split=split).metrics
-    net.train()
+    learned = evaluate_learned(net, cfg, ticks, shards, replicas, split)
     key = (ticks, shards, replicas, split)
     if key not in hpa_cache:
         hpa_cache[key] = evaluate_policy(HPA(), cfg.sim, shards=shards, ticks=ticks, replicas=replicas,
@@ -204,6 +227,8 @@ def evaluate_against_hpa(net, cfg: TrainConfig, ticks: Optional[int], shards: in
     out = {"eval_reward": learned["reward"], "hpa_eval_reward": hpa["reward"],
            "slo_violation_rate": learned["slo_violation_rate"],
            "hpa_slo_violation_rate": hpa["slo_violation_rate"], "learned": learned, "hpa": hpa}
+    if unguarded and learned["guarded"]:
+        out["learned_unguarded"] = evaluate_learned(net, cfg, ticks, shards, replicas, split, guarded=False)
     if replicas > 1:  # both met the same arrivals copy by copy: a paired standard error
         d = [x - y for x, y in zip(learned["slo_violation_rate_per_replica"], hpa["slo_violation_rate_per_replica"])]
         out["slo_violation_rate_diff_se"] = statistics.stdev(d) / math.sqrt(len(d))

@@ -119,13 +119,13 @@ class LocalTrainer:
         """The budgets of this invocation (a resume's budgets start again)."""
         self._t_end = time.perf_counter() + minutes * 60.0
         self._max_updates = max_updates
-        self._steps0 = self.rollout.env_steps
+        self._steps0, self._updates0 = self.rollout.env_steps, self.learner.updates
 
     def running(self) -> bool:
         c = self.cfg
         return time.perf_counter() < self._t_end and \
             not (c.max_env_ticks is not None and self.rollout.env_steps - self._steps0 >= c.max_env_ticks * c.sim.num_shards) \
-            and not (self._max_updates is not None and self.learner.updates >= self._max_updates)
+            and not (self._max_updates is not None and self.learner.updates - self._updates0 >= self._max_updates)
 
     def advance(self, deadline: float) -> Progress:
         """Train ticks until `deadline` (perf_counter seconds) or the end of the budget."""

@@ -19,6 +19,10 @@ from apex_bdq.config import ConfigError, TraceConfig, TrainConfig, apply_overrid
 
 METRIC = "eval_reward"
 CLUSTER_KEYS = ("num_actors", "backend", "num_learners")  # ClusterConfig fields, not TrainConfig fields
+# The seed table's columns (launch.seeds): per seed, the policy under its guard on the
+# held-out days judged with the yardstick, then the bare network's figures (unguarded_*).
+SEED_JUDGED = ("cost", "slo_violation_rate", "refused_share", "cost_saving_vs_best_rule", "oracle_gap_closed",
+               "violation_ratio_vs_best_rule", "best_rule_at_violation_rate")
 
 # What the sweep varies unless told otherwise: the Ape-X knobs that matter most (learning
 # rate, n-step, priority exponent, the epsilon ladder's base), how many rollout actors feed
@@ -85,7 +89,7 @@ def _fmt(v) -> str:
 def trial_overrides(config: dict) -> list[str]:
     """The `--set` overrides of a trial: the sweep's fixed ones, then the sampled ones."""
     fixed = config["fixed"]
-    sampled = [f"{k}={_fmt(v)}" for k, v in sorted(config["space"].items()) if k not in CLUSTER_KEYS]
+    sampled = [f"{k}={_fmt(v)}" for k, v in sorted(config["space"].items()) if k not in CLUSTER_KEYS + ("seed",)]
     return list(fixed["overrides"]) + sampled
 
 
@@ -107,7 +111,12 @@ def trial_train_config(config: dict) -> TrainConfig:
     if fixed.get("trace"):
         cfg = dataclasses.replace(cfg, sim=cfg.sim.replace(trace=TraceConfig(path=fixed["trace"])))
     cfg = apply_overrides(cfg, trial_overrides(config))
-    return dataclasses.replace(cfg, minutes=fixed["minutes"], eval_every_s=fixed["eval_every_s"])
+    cfg = dataclasses.replace(cfg, minutes=fixed["minutes"], eval_every_s=fixed["eval_every_s"],
+                              updates=fixed.get("updates", cfg.updates))
+    seed = config["space"].get("seed")
+    if seed is not None:  # a seed table's trial: the run's seed and its simulator's, as --seed sets them
+        cfg = dataclasses.replace(cfg, seed=int(seed), sim=cfg.sim.replace(seed=int(seed)))
+    return cfg
 
 
 def train_args(config: dict) -> list[str]:
@@ -116,8 +125,11 @@ def train_args(config: dict) -> list[str]:
     args = ["--preset", fixed["preset"]]
     if fixed.get("trace"):
         args += ["--trace", fixed["trace"]]
-    if fixed.get("seed") is not None:
-        args += ["--seed", str(fixed["seed"])]
+    seed = config["space"].get("seed", fixed.get("seed"))
+    if seed is not None:
+        args += ["--seed", str(seed)]
+    if fixed.get("updates") is not None:
+        args += ["--updates", str(fixed["updates"])]
     for o in trial_overrides(config):
         args += ["--set", o]
     cl = trial_cluster(config)
@@ -261,3 +273,71 @@ def pick_best(rows: list[dict]) -> Optional[dict]:
         if pool:
             return max(pool, key=lambda r: r[METRIC])
     return None
+
+
+# -- seed tables (launch.seeds) -----------------------------------------------------------------
+def _judged(m: dict, y: dict, prefix: str = "") -> dict:
+    out = {prefix + k: m.get(k) for k in ("cost", "slo_violation_rate", "refused_share")}
+    for k in SEED_JUDGED[3:]:
+        out[prefix + k] = y.get(k)
+    return out
+
+
+def run_seed_trial(config: dict) -> None:
+    """The Tune function trainable of a seed table: one Ape-X run of one seed at the table's
+    budget, no periodic evaluation (nothing is chosen from it), then the final evaluation on
+    the held-out days with and without the guard, each judged with the yardstick (the driver
+    computed the frontiers into the cache before the trials started)."""
+    import torch
+    from ray import tune
+
+    from apex_bdq import yardstick
+    from apex_bdq.driver import Driver
+    from apex_bdq.ray_runner import ApexRun
+    torch.set_num_threads(1)  # the trial shares its cores with the actors and the learner
+    fixed = config["fixed"]
+    cfg = trial_train_config(config)
+    cl = trial_cluster(config)
+    work = Path(tempfile.mkdtemp(prefix="apex_bdq_seed_"))
+    spec = cfg.cluster.replace(num_actors=cl["num_actors"], num_learners=cl["num_learners"], backend=cl["backend"],
+                               num_replay_shards=fixed["num_replay_shards"], actor_cpus=fixed["actor_cpus"],
+                               learner_cpus=fixed["learner_cpus"], storage_path=str(work / "ray_train"))
+    run = ApexRun(cfg, spec)
+    try:
+        out = Driver(cfg, run, evaluate=False, final_split="eval").run()
+    finally:
+        run.shutdown()
+        shutil.rmtree(work, ignore_errors=True)
+    row = {"seed": cfg.seed, "updates": int(out["updates"]), "updates_budget": out.get("updates_budget"),
+           "stopped_by": out.get("stopped_by"), "train_seconds": float(out["train_seconds"]),
+           "env_steps": int(out["env_steps"]), "final": True}
+    whole = cfg.final_eval_ticks is None  # the yardstick judges the whole held-out range only
+
+    def judge(m: dict) -> dict:
+        return yardstick.report(cfg.sim, m, cfg.eval_shards, cfg.final_eval_replicas) if whole else {}
+
+    m = out["learned"]
+    row.update(_judged(m, judge(m)))
+    row.update({k: m.get(k) for k in ("guard_clipped_share", "guard_fallback_share")})
+    if "learned_unguarded" in out:
+        u = out["learned_unguarded"]
+        row.update(_judged(u, judge(u), "unguarded_"))
+    tune.report(row)
+
+
+def seed_summary(rows: list[dict], target_gap: float = 0.5) -> dict:
+    """Across the seeds: how many close `target_gap` of the oracle gap and beat the best rule,
+    with the mean and spread of both figures (guarded, then unguarded)."""
+    import statistics
+    out: dict = {"seeds": len(rows), "target_oracle_gap_closed": target_gap}
+    for prefix in ("", "unguarded_"):
+        gaps = [r.get(prefix + "oracle_gap_closed") for r in rows]
+        savings = [r.get(prefix + "cost_saving_vs_best_rule") for r in rows]
+        ok_g = [g for g in gaps if _ok(g)]
+        ok_s = [x for x in savings if _ok(x)]
+        out[prefix + "seeds_meeting_gap_target"] = sum(g >= target_gap for g in ok_g)
+        out[prefix + "seeds_beating_best_rule"] = sum(x > 0 for x in ok_s)
+        out[prefix + "mean_oracle_gap_closed"] = statistics.fmean(ok_g) if ok_g else None
+        out[prefix + "mean_cost_saving_vs_best_rule"] = statistics.fmean(ok_s) if ok_s else None
+        out[prefix + "sd_cost_saving_vs_best_rule"] = statistics.stdev(ok_s) if len(ok_s) > 1 else None
+    return out

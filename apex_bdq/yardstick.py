@@ -260,6 +260,7 @@ def _key(cfg: SimConfig, shards: int, replicas: int, seed: int, split: str, tick
     from apex_bdq.sim.platform import make_rates
     rates = make_rates(cfg)
     d = dataclasses.asdict(cfg.replace(num_shards=1, seed=0))
+    d.pop("augment", None)  # training-time only: no evaluation reshapes the trace
     src = Path(rates.source)
     st = src.stat()
     blob = json.dumps({"cfg": d, "trace": [str(src.resolve()), st.st_size, st.st_mtime_ns], "shards": shards,

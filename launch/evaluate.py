@@ -100,6 +100,11 @@ def print_policies(title: str, results: dict[str, dict]) -> None:
         print(f"{name:<22} {cost:>14} {viol:>20} {100 * m['refused_share']:>7.2f}% {m['reward']:>8.4f} "
               f"{saving:>20} {_num(j.get('violation_ratio_vs_best_rule'), '.2f'):>11} "
               f"{_pct(j.get('oracle_gap_closed')):>18}")
+    for name, m in results.items():
+        if "guard_decisions" in m:
+            print(f"  {name} ran under its guard: {100 * m['guard_clipped_share']:.1f} % of "
+                  f"{m['guard_decisions']:,} decisions bounded to the rule's band, "
+                  f"{100 * m['guard_fallback_share']:.2f} % fell back to the rule")
 
 
 def print_frontiers(fronts: dict, oracle: list[dict]) -> None:
@@ -111,10 +116,28 @@ def print_frontiers(fronts: dict, oracle: list[dict]) -> None:
 
 
 def make_policy(name: str, cfg: SimConfig):
-    if name.startswith("checkpoint:"):
+    """A baseline by name, or `checkpoint:PATH` (under the checkpoint's guard, whose coverage
+    is that of the checkpoint's own training trace), or `checkpoint-unguarded:PATH` (the
+    bare network)."""
+    kind, _, path = name.partition(":")
+    if kind in ("checkpoint", "checkpoint-unguarded"):
         from apex_bdq.checkpoint import load_policy
-        return load_policy(name.split(":", 1)[1], cfg)
+        from apex_bdq.config import train_config_from_dict
+        from apex_bdq.guard import GuardedPolicy, guard_for
+        pol = load_policy(path, cfg)
+        if kind == "checkpoint":
+            try:
+                g = guard_for(train_config_from_dict(load_checkpoint(path)["config"]))
+            except (KeyError, TypeError, ConfigError) as e:
+                raise CheckpointError(f"checkpoint {path!r}: no usable config for its guard: {e}") from e
+            if g is not None:
+                return GuardedPolicy(pol, g)
+        return pol
     return make_baseline(name)
+
+
+def is_checkpoint(name: str) -> bool:
+    return name.startswith(("checkpoint:", "checkpoint-unguarded:"))
 
 
 def checkpoint_platform(names: list[str], base: SimConfig) -> tuple[SimConfig, list[str]]:
@@ -123,7 +146,7 @@ def checkpoint_platform(names: list[str], base: SimConfig) -> tuple[SimConfig, l
     when there is no checkpoint. Checkpoints of different platforms are refused."""
     found: dict[str, SimConfig] = {}
     for n in names:
-        if n.startswith("checkpoint:"):
+        if is_checkpoint(n):
             path = n.split(":", 1)[1]
             ck = load_checkpoint(path)
             try:
@@ -155,8 +178,11 @@ def run_trace(cfg: SimConfig, policies: list[str], shards: int, ticks: Optional[
               show_progress: bool, replicas: int = 1) -> dict[str, EvalResult]:
     out = {}
     for name in policies:
-        out[name] = evaluate_policy(make_policy(name, cfg), cfg, shards=shards, ticks=ticks,
-                                    progress=_Progress(name, show_progress), replicas=replicas)
+        pol = make_policy(name, cfg)
+        out[name] = evaluate_policy(pol, cfg, shards=shards, ticks=ticks, progress=_Progress(name, show_progress),
+                                    replicas=replicas)
+        if hasattr(pol, "shares"):  # under a guard: how often it bounded or replaced the decision
+            out[name].metrics.update(pol.shares())
     return out
 
 
@@ -278,8 +304,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     names = policy_names(a.policy, platform.platform)
     for n in names:
-        if n not in BASELINES and not n.startswith("checkpoint:"):
-            ap.error(f"unknown policy {n!r}: choose from {sorted(BASELINES)}, 'all' or checkpoint:PATH")
+        if n not in BASELINES and not is_checkpoint(n):
+            ap.error(f"unknown policy {n!r}: choose from {sorted(BASELINES)}, 'all', checkpoint:PATH or "
+                     f"checkpoint-unguarded:PATH")
         if n in V2_ONLY and platform.platform != "v2":
             ap.error(f"policy {n!r} exists on platform v2 only")
     shards_d, replicas_d = LAYOUT[platform.platform]

@@ -28,9 +28,10 @@ class ScriptedRunner:
     def start(self, minutes, max_updates, counters):
         self.calls.append(("start", minutes, max_updates))
         self.counters_fn = counters
+        self.budget = None if max_updates is None else self.upd + max_updates
 
     def running(self):
-        return self.advances < self.polls
+        return self.advances < self.polls and (self.budget is None or self.upd < self.budget)
 
     def advance(self, deadline):
         self.advances += 1
@@ -112,3 +113,30 @@ def test_an_error_in_the_loop_still_stops_the_runner():
     with pytest.raises(KeyError, match="callback"):
         Driver(CFG, r, evaluate=False, final_split=None, on_progress=boom).run()
     assert r.calls[-1] == ("stop",)
+
+
+def test_the_update_budget_of_the_config_ends_the_run_and_the_result_says_so():
+    cfg = dataclasses.replace(CFG, updates=5)
+    r = ScriptedRunner()
+    r.cfg = cfg
+    out = Driver(cfg, r, evaluate=False, final_split=None).run()
+    assert r.calls[0] == ("start", cfg.minutes, 5)
+    assert out["updates"] == 5 and out["updates_budget"] == 5 and out["stopped_by"] == "updates"
+    # A resumed run's budget counts this invocation's updates.
+    r = ScriptedRunner(resumed={"history": [], "env_steps": 100, "updates": 50})
+    out = Driver(cfg, r, evaluate=False, final_split=None).run()
+    assert out["updates"] == 55 and out["stopped_by"] == "updates"
+    # A runner that ends before the budget (here: its script runs out) did not reach it.
+    out = Driver(cfg, ScriptedRunner(polls=3), evaluate=False, final_split=None).run()
+    assert out["updates"] == 3 and out["stopped_by"] == "other"
+    # An explicit max_updates wins over the config's.
+    r = ScriptedRunner()
+    out = Driver(cfg, r, evaluate=False, final_split=None).run(max_updates=2)
+    assert out["updates"] == 2 and out["updates_budget"] == 2
+
+
+def test_a_bad_update_budget_is_refused_by_name():
+    from apex_bdq.config import ConfigError
+    for bad in (0, -3, 2.5):
+        with pytest.raises(ConfigError, match="train.updates"):
+            dataclasses.replace(CFG, updates=bad)

@@ -176,7 +176,10 @@ class PlatformSimV2(PoolsView):
         S, K, H, cfg = self.S, self.K, self.H, self.cfg
         f32 = np.float32
         lo = self.range[0]
-        if self.phases == "random":
+        self.aug_warp = self.aug_mult = self.aug_scale = None
+        if self.phases == "random" and self.augmenting:
+            self._draw_augmentation()
+        elif self.phases == "random":
             self.offset = lo + self.rng.integers(0, self.range_len - cfg.episode_ticks, size=S)
         else:
             phases = S // self.eval_replicas
@@ -184,6 +187,8 @@ class PlatformSimV2(PoolsView):
             self.offset = np.maximum(lo + ((np.arange(S) % phases) * self.range_len) // phases - self.warmup_ticks, 0)
         self.t = 0
         lam = self.lam_table[self.offset].astype(f32)  # [S, K] requests per second
+        if self.aug_scale is not None:
+            lam *= self.aug_mult[:, :1]
         d = default_action_v2(cfg)
         self.target = replicas_for(lam * self.plan[d[0]], self.sizing).astype(np.int32)  # [S, K]
         self.prov = Provisioning(self.target.copy(), cfg.delay_ticks, cfg.min_servers)
@@ -218,6 +223,8 @@ class PlatformSimV2(PoolsView):
         j = np.arange(self.Hc, 0, -1)[:, None] * self.cb - self.cb // 2  # [Hc, 1] ticks back
         back = np.maximum(self.offset[None, :] - j, 0)  # [Hc, S]
         self.coarse = self.lam_table[back].astype(f32)  # [Hc, S, K]
+        if self.aug_scale is not None:
+            self.coarse *= self.aug_scale[None, :, None]
         self.coarse_acc = np.zeros((S, K), dtype=f32)
         self.coarse_ptr = 0
         return self._observe()
@@ -231,8 +238,44 @@ class PlatformSimV2(PoolsView):
         self.suffix = suf
 
     # ---------------------------------------------------------------------------------
+    def _draw_augmentation(self) -> None:
+        """Training episodes with `sim.augment` on: per shard a rate scale, a time warp and
+        flash-crowd bursts for this episode (from the simulator's own generator, so one seed
+        draws the same shapes), and a start that leaves room for the warped episode."""
+        aug, S, E, rng = self.cfg.augment, self.S, self.cfg.episode_ticks, self.rng
+
+        def log_uniform(lo_hi):
+            lo, hi = np.log(lo_hi[0]), np.log(lo_hi[1])
+            return np.exp(rng.uniform(lo, hi, size=S))
+
+        self.aug_scale = log_uniform(aug.scale).astype(np.float32)
+        self.aug_warp = log_uniform(aug.time_warp)
+        span = np.ceil(E * self.aug_warp).astype(np.int64) + 1  # trace ticks the episode reads
+        if (span >= self.range_len).any():
+            raise ValueError(f"sim.augment.time_warp up to {aug.time_warp[1]} needs {int(span.max())} ticks of the "
+                             f"training range per episode; it has {self.range_len}")
+        self.offset = self.range[0] + (rng.random(S) * (self.range_len - span)).astype(np.int64)
+        mult = np.ones((S, E + 1), dtype=np.float32)
+        t = np.arange(E + 1, dtype=np.float64)
+        n = rng.poisson(aug.bursts_per_hour * E * self.dt / 3600.0, size=S)
+        for i in np.nonzero(n)[0]:
+            for _ in range(int(n[i])):
+                length = rng.uniform(*aug.burst_s) / self.dt
+                start = rng.uniform(-0.5 * length, E)  # a burst may already be under way
+                x = (t - start) / length
+                inside = (x > 0) & (x < 1)
+                mult[i, inside] += rng.uniform(*aug.burst_height) * np.sin(np.pi * x[inside]).astype(np.float32)
+        self.aug_mult = mult * self.aug_scale[:, None]  # [S, E + 1]
+
+    @property
+    def augmenting(self) -> bool:
+        """Whether episodes reshape the trace: training days, random phases, augment on."""
+        return self.cfg.augment.enabled and self.split == "train" and self.phases == "random"
+
     def trace_index(self) -> np.ndarray:
         """[S] trace tick of each shard now."""
+        if self.aug_warp is not None:
+            return self.offset + (self.t * self.aug_warp).astype(np.int64)
         if self.phases == "random":
             return self.offset + self.t
         return np.minimum(self.offset + self.t, self.range[1] - 1)
@@ -278,6 +321,8 @@ class PlatformSimV2(PoolsView):
 
         # 3. arrivals.
         lam = self.lam_table[self.trace_index()]  # [S, K] per second
+        if self.aug_mult is not None:
+            lam = lam * self.aug_mult[:, min(self.t, self.aug_mult.shape[1] - 1), None]
         mean_n = lam * dt
         if not cfg.trace.poisson_noise:
             arrivals = mean_n.copy()
@@ -377,6 +422,8 @@ class PlatformSimV2(PoolsView):
         ok_w = idx >= self.week
         d = self.lam_table[np.maximum(day_i, 0)] * ok_d[:, None, None]
         w = self.lam_table[np.maximum(week_i, 0)] * ok_w[:, None, None]
+        if self.aug_scale is not None:  # history at the episode's level (its bursts are new)
+            d, w = d * self.aug_scale[:, None, None], w * self.aug_scale[:, None, None]
         return d, w, ok_d, ok_w
 
     def _observe(self) -> Observation:

@@ -1,0 +1,217 @@
+"""The guard: part of the learned policy on platform v2, on in evaluation and serving.
+
+A learned decision is per shard the D sub-actions (plan factor and hold per class, the
+admission level). The guard
+
+  1. bounds it relative to the reference rule's decision: the plan factor of each class to
+     `plan_below` levels under and `plan_above` levels over the rule's (the rule is the
+     platform's default setting, plan 1.3 x the monitored load with HPA's 300-s hold and no
+     refusals: a reactive rule sized with the queueing model, on the best rule's frontier
+     on the bundled trace, computable from an observation alone, so the same guard runs in
+     the simulator, on Ray actors and behind Serve); the admission level to `max_admission`;
+  2. falls back to the rule's decision for a shard whose observation lies outside what
+     training covered: its load shape (per class the newest 2-minute arrival rate, its
+     growth over the block before, its ratio to the last 32 minutes' mean: what a burst the
+     training days never showed looks like) outside the range the training days span,
+     widened by `ood_margin` of that range on each side.
+
+The coverage is measured once per trace and config (the training days under the rule, and
+with `sim.augment` on the augmented episodes too) and cached under the yardstick's cache
+directory. `GuardedPolicy` runs a greedy network under the guard in `evaluate_policy` and
+counts the decisions it clipped and the ones it replaced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import Optional
+
+import numpy as np
+
+from apex_bdq.config import GuardConfig, SimConfig, TrainConfig
+
+FEATURES = ("rate", "growth", "trend")  # per class, from the coarse arrival history
+EPS = 0.05  # rates are in units of the class's mean rate: a floor for the ratios
+
+
+class GuardError(ValueError):
+    pass
+
+
+def _layout(sim: SimConfig) -> tuple[np.ndarray, int]:
+    """[K, Hc] macro indices of each class's coarse rate blocks (oldest first), and Hc."""
+    from apex_bdq.sim.platform_v2 import macro_names
+    names = {n: i for i, n in enumerate(macro_names(sim))}
+    Hc = sim.coarse_history
+    idx = np.array([[names[f"rate_block_{j}[{k}]"] for j in range(Hc)] for k in range(sim.num_classes)])
+    return idx, Hc
+
+
+def load_shape(macro: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """[B, K * 3] the guard's features of a batch of macro observations [B, F]."""
+    blocks = macro[:, idx]  # [B, K, Hc]
+    new, prev = blocks[..., -1], blocks[..., -2] if blocks.shape[-1] > 1 else blocks[..., -1]
+    growth = new / np.maximum(prev, EPS)
+    trend = new / np.maximum(blocks.mean(-1), EPS)
+    return np.concatenate([new, growth, trend], axis=1)
+
+
+@dataclasses.dataclass
+class Guard:
+    cfg: GuardConfig
+    rule: np.ndarray  # [D] the reference rule's sub-actions
+    plan_lo: int
+    plan_hi: int
+    lo: np.ndarray  # [K * 3] coverage, widened by the margin
+    hi: np.ndarray
+    idx: np.ndarray  # [K, Hc] macro indices of the rate blocks
+    K: int
+
+    @classmethod
+    def build(cls, cfg: GuardConfig, sim: SimConfig, covered_lo: np.ndarray, covered_hi: np.ndarray) -> "Guard":
+        from apex_bdq.sim.platform_v2 import default_action_v2
+        if sim.platform != "v2":
+            raise GuardError("the guard is a platform v2 component")
+        rule = np.asarray(default_action_v2(sim), dtype=np.int64)
+        plan = int(rule[0])
+        n, K = sim.sub_actions, sim.num_classes
+        covered_lo, covered_hi = np.asarray(covered_lo, np.float64), np.asarray(covered_hi, np.float64)
+        if covered_lo.shape != (3 * K,) or covered_hi.shape != (3 * K,):
+            raise GuardError(f"coverage must have {3 * K} features per bound, got {covered_lo.shape} / {covered_hi.shape}")
+        span = np.maximum(covered_hi - covered_lo, 0.0)
+        idx, _ = _layout(sim)
+        return cls(cfg=cfg, rule=rule, plan_lo=max(0, plan - cfg.plan_below), plan_hi=min(n - 1, plan + cfg.plan_above),
+                   lo=covered_lo - cfg.ood_margin * span, hi=covered_hi + cfg.ood_margin * span, idx=idx, K=K)
+
+    def inside(self, macro: np.ndarray) -> np.ndarray:
+        """[B] bool: the observation's load shape lies within the (widened) coverage."""
+        f = load_shape(np.asarray(macro, dtype=np.float64), self.idx)
+        return ((f >= self.lo) & (f <= self.hi)).all(1)
+
+    def apply(self, macro: np.ndarray, actions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(guarded actions [B, D], clipped [B] bool, fell back [B] bool) for learned
+        `actions` [B, D] taken on `macro` [B, F]."""
+        a = np.asarray(actions)
+        K = self.K
+        out = a.copy()
+        np.clip(out[:, :K], self.plan_lo, self.plan_hi, out=out[:, :K])
+        np.minimum(out[:, -1], self.cfg.max_admission, out=out[:, -1])
+        clipped = (out != a).any(1)
+        back = ~self.inside(macro)
+        out[back] = self.rule
+        return out, clipped & ~back, back
+
+    def to_dict(self) -> dict:
+        span = 1.0 + 2.0 * self.cfg.ood_margin
+        mid = (self.lo + self.hi) / 2.0
+        half = (self.hi - self.lo) / (2.0 * span)
+        return {"cfg": dataclasses.asdict(self.cfg), "covered_lo": (mid - half).tolist(),
+                "covered_hi": (mid + half).tolist()}
+
+    @classmethod
+    def from_dict(cls, d: dict, sim: SimConfig) -> "Guard":
+        return cls.build(GuardConfig(**d["cfg"]), sim, np.asarray(d["covered_lo"]), np.asarray(d["covered_hi"]))
+
+
+# -- coverage of the training days ------------------------------------------------------------------
+def _cache_path(sim: SimConfig):
+    from apex_bdq.sim.platform import make_rates
+    from apex_bdq.yardstick import cache_dir
+    rates = make_rates(sim)
+    src = rates.source
+    try:
+        import os
+        st = os.stat(src)
+        stamp = [str(src), st.st_size, st.st_mtime_ns]
+    except (OSError, TypeError):
+        stamp = [str(src)]
+    d = dataclasses.asdict(sim.replace(num_shards=1, seed=0))
+    blob = json.dumps({"sim": d, "trace": stamp, "features": FEATURES, "v": 1}, sort_keys=True, default=str)
+    return cache_dir().parent / "guard" / f"{hashlib.sha256(blob.encode()).hexdigest()[:20]}.json"
+
+
+def measure_coverage(sim: SimConfig, shards: int = 256) -> tuple[np.ndarray, np.ndarray]:
+    """Per-feature (min, max) of the load shape over the training days: every tick of the
+    training range once (the rule's decisions; the features are arrivals, which decisions do
+    not change), and with `sim.augment` on, one augmented episode per shard on top."""
+    from apex_bdq.evaluation import eval_config
+    from apex_bdq.sim import make_sim
+    from apex_bdq.sim.baselines import default_actions
+    idx, _ = _layout(sim)
+    lo = np.full(3 * sim.num_classes, np.inf)
+    hi = np.full(3 * sim.num_classes, -np.inf)
+    runs = []
+    ecfg, ticks = eval_config(sim.replace(augment=dataclasses.replace(sim.augment, enabled=False)), shards, "train")
+    runs.append((make_sim(ecfg.replace(num_shards=shards), split="train", phases="even"), ticks))
+    if sim.augment.enabled:
+        runs.append((make_sim(sim.replace(num_shards=shards, seed=sim.seed + 7919), split="train", phases="random"),
+                     sim.episode_ticks))
+    for env, n in runs:
+        obs = env.reset(seed=env.cfg.seed)
+        a = default_actions(env)
+        cb = env.cb
+        for t in range(n):
+            if t % cb == 0:  # the blocks change once per coarse block
+                f = load_shape(obs.macro.astype(np.float64), idx)
+                np.minimum(lo, f.min(0), out=lo)
+                np.maximum(hi, f.max(0), out=hi)
+            obs, _, trunc, _ = env.step(a)
+            if trunc:
+                break
+    return lo, hi
+
+
+def coverage(sim: SimConfig, use_cache: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """`measure_coverage` through the cache (a few seconds the first time for a trace)."""
+    path = _cache_path(sim)
+    if use_cache and path.is_file():
+        d = json.loads(path.read_text())
+        return np.asarray(d["lo"]), np.asarray(d["hi"])
+    lo, hi = measure_coverage(sim)
+    if use_cache:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"lo": lo.tolist(), "hi": hi.tolist(), "features": FEATURES}))
+        tmp.replace(path)
+    return lo, hi
+
+
+def guard_for(cfg: TrainConfig) -> Optional[Guard]:
+    """The guard of a run's policy (None: off, or not platform v2)."""
+    if not cfg.guard.enabled or cfg.sim.platform != "v2":
+        return None
+    lo, hi = coverage(cfg.sim)
+    return Guard.build(cfg.guard, cfg.sim, lo, hi)
+
+
+class GuardedPolicy:
+    """A greedy network under the guard, as `evaluate_policy` runs it; counts per shard
+    decision how many the guard clipped and how many it replaced by the rule's."""
+
+    def __init__(self, inner, guard: Guard) -> None:
+        self.inner, self.guard = inner, guard
+        self.name = getattr(inner, "name", "learned")
+        self.needs_observation = True
+
+    def reset(self, sim) -> None:
+        self.inner.reset(sim)
+        self.decisions = self.clipped = self.fallback = 0
+        self.t = 0
+        self.actions = None
+
+    def act(self, sim, obs):
+        learned, _ = self.inner.act(sim, obs)
+        if self.actions is None or self.t % self.inner.k == 0:
+            self.actions, c, b = self.guard.apply(obs.macro, learned)
+            self.decisions += len(c)
+            self.clipped += int(c.sum())
+            self.fallback += int(b.sum())
+        self.t += 1
+        return self.actions, None
+
+    def shares(self) -> dict:
+        n = max(self.decisions, 1)
+        return {"guard_decisions": self.decisions, "guard_clipped_share": self.clipped / n,
+                "guard_fallback_share": self.fallback / n}

@@ -1,0 +1,166 @@
+"""The guard around the learned policy (apex_bdq/guard.py) and training-time trace
+augmentation (platform v2's `sim.augment`)."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from apex_bdq.config import AugmentConfig, ConfigError, GuardConfig, SimConfig, TraceConfig, apply_overrides
+from apex_bdq.evaluation import evaluate_learned, evaluate_policy
+from apex_bdq.guard import Guard, GuardedPolicy, _layout, coverage, guard_for, load_shape
+from apex_bdq.networks import BDQNetwork
+from apex_bdq.presets import PRESETS
+from apex_bdq.sim import make_sim
+from apex_bdq.sim.baselines import Constant
+from apex_bdq.sim.platform_v2 import default_action_v2
+
+SIM = SimConfig(num_shards=8, seed=1)
+K = SIM.num_classes
+WIDE = (np.zeros(3 * K), np.full(3 * K, 1e9))  # a coverage every observation lies in
+
+
+def macro_batch(n=6, seed=0):
+    sim = make_sim(SIM.replace(num_shards=n, seed=seed), split="train", phases="random")
+    return sim.reset(seed=seed).macro
+
+
+def test_the_band_bounds_plans_and_admission_and_leaves_holds():
+    g = Guard.build(GuardConfig(plan_below=1, plan_above=1, max_admission=1), SIM, *WIDE)
+    rule = np.asarray(default_action_v2(SIM))
+    assert g.plan_lo == rule[0] - 1 and g.plan_hi == rule[0] + 1
+    rng = np.random.default_rng(0)
+    a = rng.integers(0, SIM.sub_actions, size=(6, SIM.num_branches))
+    out, clipped, back = g.apply(macro_batch(), a)
+    assert not back.any()
+    assert ((out[:, :K] >= g.plan_lo) & (out[:, :K] <= g.plan_hi)).all() and (out[:, -1] <= 1).all()
+    np.testing.assert_array_equal(out[:, K:2 * K], a[:, K:2 * K])  # holds are the policy's
+    inside = (a[:, :K] >= g.plan_lo).all(1) & (a[:, :K] <= g.plan_hi).all(1) & (a[:, -1] <= 1)
+    np.testing.assert_array_equal(clipped, ~inside)
+    np.testing.assert_array_equal(out[inside], a[inside])  # a decision inside the band passes unchanged
+
+
+def test_an_observation_outside_the_coverage_falls_back_to_the_rule():
+    macro = macro_batch()
+    idx, _ = _layout(SIM)
+    f = load_shape(macro.astype(np.float64), idx)
+    g = Guard.build(GuardConfig(ood_margin=0.0), SIM, f.min(0), f.max(0))  # exactly what these rows cover
+    a = np.zeros((6, SIM.num_branches), dtype=np.int64)
+    a[:, :K] = g.plan_lo
+    assert g.inside(macro).all()
+    burst = macro.copy()
+    burst[2, idx[1, -1]] = 10.0 * f[:, 1].max() + 1.0  # class 1's newest 2-minute rate: a burst never seen
+    out, clipped, back = g.apply(burst, a)
+    np.testing.assert_array_equal(back, np.arange(6) == 2)
+    np.testing.assert_array_equal(out[2], g.rule)
+    np.testing.assert_array_equal(out[back == 0], a[back == 0])
+    assert not clipped[2]  # counted once: as a fallback
+    # The margin widens the coverage by its share of the range on each side.
+    assert Guard.build(GuardConfig(ood_margin=100.0), SIM, f.min(0), f.max(0)).inside(burst).all()
+    # A round trip through the dict form (what a weight store's meta carries) keeps the bounds.
+    g2 = Guard.from_dict(g.to_dict(), SIM)
+    np.testing.assert_allclose(g2.lo, g.lo) and np.testing.assert_allclose(g2.hi, g.hi)
+
+
+def test_the_guarded_policy_reports_its_shares_and_a_full_fallback_is_the_rule():
+    torch.manual_seed(0)
+    cfg = PRESETS["smoke"]
+    net = BDQNetwork(cfg.net)
+    from apex_bdq.checkpoint import GreedyPolicy
+    nothing = (np.full(3 * K, 1e9), np.full(3 * K, 2e9))  # a coverage no observation lies in
+    pol = GuardedPolicy(GreedyPolicy(net, cfg.agent.decision_ticks), Guard.build(GuardConfig(), cfg.sim, *nothing))
+    m = evaluate_policy(pol, cfg.sim, shards=2, ticks=120).metrics
+    s = pol.shares()
+    assert s["guard_decisions"] == 2 * (120 + 900) // cfg.agent.decision_ticks  # warm-up ticks decide too
+    assert s["guard_fallback_share"] == 1.0 and s["guard_clipped_share"] == 0.0
+    rule = evaluate_policy(Constant(default_action_v2(cfg.sim)), cfg.sim, shards=2, ticks=120).metrics
+    assert m["cost"] == rule["cost"] and m["slo_violation_rate"] == rule["slo_violation_rate"]
+    # Within a wide coverage nothing falls back, and every clipped decision was outside the band.
+    pol = GuardedPolicy(GreedyPolicy(net, cfg.agent.decision_ticks), Guard.build(GuardConfig(), cfg.sim, *WIDE))
+    evaluate_policy(pol, cfg.sim, shards=2, ticks=120)
+    assert pol.shares()["guard_fallback_share"] == 0.0 and 0.0 <= pol.shares()["guard_clipped_share"] <= 1.0
+
+
+def test_coverage_spans_the_training_days_and_evaluate_learned_runs_under_the_guard(step_trace, monkeypatch):
+    # A trace whose training days hold one step: its rates (in units of the class mean) are the coverage.
+    path = step_trace(low=(100.0, 2.0, 0.5, 0.02), high=(200.0, 4.0, 1.0, 0.04), at=6000, n=12_000)
+    sim = SimConfig(num_shards=4, seed=2, episode_s=600.0,
+                    trace=TraceConfig(path=str(path), columns=("c0", "c1", "c2", "c3"), poisson_noise=False,
+                                      eval_fraction=0.25, validation_fraction=0.0))
+    lo, hi = coverage(sim, use_cache=False)
+    rate_lo, rate_hi = lo[:K], hi[:K]
+    assert (rate_hi / np.maximum(rate_lo, 1e-9) > 1.5).all()  # both levels of the step seen
+    lo2, hi2 = coverage(sim)  # through the cache: the same figures
+    lo3, hi3 = coverage(sim)
+    np.testing.assert_allclose(lo2, lo) and np.testing.assert_allclose(hi3, hi)
+    cfg = dataclasses.replace(PRESETS["smoke"], sim=sim)
+    net = BDQNetwork(cfg.net)
+    m = evaluate_learned(net, cfg, ticks=60, shards=2)
+    assert m["guarded"] and m["guard_decisions"] > 0
+    bare = evaluate_learned(net, dataclasses.replace(cfg, guard=GuardConfig(enabled=False)), ticks=60, shards=2)
+    assert not bare["guarded"] and "guard_decisions" not in bare
+    assert guard_for(dataclasses.replace(cfg, guard=GuardConfig(enabled=False))) is None
+
+
+def test_guard_and_augment_settings_are_checked_by_name():
+    cfg = PRESETS["smoke"]
+    assert apply_overrides(cfg, ["guard.plan_above=1"]).guard.plan_above == 1
+    assert apply_overrides(cfg, ["sim.augment.enabled=true"]).sim.augment.enabled
+    with pytest.raises(ConfigError, match="guard.plan_below"):
+        GuardConfig(plan_below=-1)
+    with pytest.raises(ConfigError, match="sim.augment.time_warp"):
+        AugmentConfig(time_warp=(2.0, 1.0))
+    with pytest.raises(ConfigError, match="sim.augment is a platform v2 option"):
+        SimConfig(platform="v1", augment=AugmentConfig(enabled=True))
+
+
+# -- augmentation ----------------------------------------------------------------------------------
+def _episode_arrivals(cfg: SimConfig, split="train", phases="random"):
+    """(sim, arrivals [T, S], the trace's own mean arrivals at the ticks each shard read [T, S])."""
+    sim = make_sim(cfg, split=split, phases=phases)
+    a = np.tile(np.asarray(default_action_v2(cfg)), (cfg.num_shards, 1))
+    tot, trace = [], []
+    for _ in range(cfg.episode_ticks):
+        trace.append(sim.lam_table[sim.trace_index()].sum(1) * cfg.tick_s)
+        _, _, trunc, info = sim.step(a)
+        tot.append(info["arrivals"].sum(1))
+    return sim, np.asarray(tot), np.asarray(trace)
+
+
+def test_augmentation_is_seeded_shaped_and_training_only():
+    base = SimConfig(num_shards=8, seed=5, episode_s=1800.0)
+    on = base.replace(augment=AugmentConfig(enabled=True, scale=(2.0, 2.0), time_warp=(1.0, 1.0),
+                                            bursts_per_hour=0.0))
+    _, plain, trace0 = _episode_arrivals(base)
+    _, scaled, trace1 = _episode_arrivals(on)
+    assert np.allclose(plain.sum(0) / trace0.sum(0), 1.0, rtol=0.02)  # off: the trace's own rate
+    assert np.allclose(scaled.sum(0) / trace1.sum(0), 2.0, rtol=0.02)  # a pure x2 scale doubles every shard's
+    # Time warp: the episode reads warp x its length of the trace.
+    warp = base.replace(augment=AugmentConfig(enabled=True, scale=(1.0, 1.0), time_warp=(2.0, 2.0),
+                                              bursts_per_hour=0.0))
+    sw = make_sim(warp, split="train", phases="random")
+    i0 = sw.trace_index().copy()
+    a = np.tile(np.asarray(default_action_v2(warp)), (8, 1))
+    for _ in range(100):
+        sw.step(a)
+    np.testing.assert_array_equal(sw.trace_index() - i0, 200)
+    # Bursts only add load, on top of the scaled rate.
+    bursts = base.replace(augment=AugmentConfig(enabled=True, scale=(1.0, 1.0), time_warp=(1.0, 1.0),
+                                                bursts_per_hour=6.0, burst_height=(1.0, 1.0)))
+    sb = make_sim(bursts, split="train", phases="random")
+    assert (sb.aug_mult >= 1.0).all() and sb.aug_mult.max() > 1.5
+    # Determinism: one seed draws one set of shapes; another seed others.
+    full = base.replace(augment=AugmentConfig(enabled=True))
+    _, x1, _ = _episode_arrivals(full)
+    _, x2, _ = _episode_arrivals(full)
+    _, x3, _ = _episode_arrivals(full.replace(seed=6))
+    np.testing.assert_array_equal(x1, x2)
+    assert not np.array_equal(x1, x3)
+    # Never outside training episodes: evaluation and validation layouts read the trace as it is.
+    for split, phases in (("eval", "even"), ("val", "even"), ("train", "even")):
+        sim = make_sim(full, split=split, phases=phases)
+        assert not sim.augmenting and sim.aug_mult is None
+    with pytest.raises(ValueError, match="time_warp"):
+        make_sim(base.replace(episode_s=3600.0, augment=AugmentConfig(enabled=True, time_warp=(900.0, 900.0))),
+                 split="train", phases="random")
