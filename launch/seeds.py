@@ -13,8 +13,9 @@ days under its guard and without it, and judged against the rules' frontiers and
 (computed once, before the first trial, and cached). The table: per seed the updates made,
 cost and SLO violation rate, refused share, cost saving vs the best rule at equal violation
 rate, the share of the best-rule -> oracle gap closed, the guard's shares; then how many
-seeds meet the target (>= 50 % of the gap by default, `--target-gap`). JSON keys: `seeds`
-(one row per seed), `summary`, `command`.
+seeds meet the target (>= 50 % of the gap by default, `--target-gap`). Each seed's
+checkpoint is kept (STORAGE/NAME/checkpoints/seed_N.pt) for `launch.evaluate`. JSON keys:
+`seeds` (one row per seed), `summary`, `command`.
 """
 
 from __future__ import annotations
@@ -113,7 +114,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                  "updates": a.updates if a.updates is not None else base.updates, "eval_every_s": 1e9,
                  "max_reports": 1, "num_actors": a.num_actors, "num_learners": a.num_learners,
                  "backend": a.backend, "num_replay_shards": 1, "trial_cpus": a.trial_cpus,
-                 "actor_cpus": a.actor_cpus, "learner_cpus": a.learner_cpus}
+                 "actor_cpus": a.actor_cpus, "learner_cpus": a.learner_cpus,
+                 "checkpoint_dir": str(Path(a.storage).resolve() / a.name / "checkpoints")}
         cfg = trial_train_config({"fixed": fixed, "space": {"seed": seeds[0]}})  # fails on a bad override here
         if cfg.sim.platform != "v2":
             raise ConfigError("a seed table judges with platform v2's yardstick: the preset must be a v2 one")
@@ -154,7 +156,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             errors.append({"seed": (res.config or {}).get("space", {}).get("seed"), "error": str(res.error)})
             continue
         rows.append({k: v for k, v in res.metrics.items() if k in {c for c, _, _ in COLUMNS} or k.startswith(
-            ("unguarded_", "guard_")) or k in ("updates_budget", "train_seconds", "env_steps",
+            ("unguarded_", "guard_")) or k in ("updates_budget", "train_seconds", "env_steps", "checkpoint",
                                                "violation_ratio_vs_best_rule", "best_rule_at_violation_rate")})
     rows.sort(key=lambda r: r["seed"])
     summary = seed_summary(rows, a.target_gap)

@@ -114,3 +114,49 @@ def test_resume_finds_the_finished_experiment_and_trains_nothing_again(swept, ca
     after = json.loads((swept / "results.json").read_text())["trials"]
     assert [(r["trial_id"], r["eval_reward"]) for r in after] == [(r["trial_id"], r["eval_reward"]) for r in before]
     assert sorted(p.name for p in swept.iterdir() if p.name.startswith("run_trial")) == dirs
+
+
+# -- seed tables (launch.seeds) ------------------------------------------------------------------
+def test_seed_summary_counts_the_seeds_that_meet_the_target():
+    from apex_bdq.tuning import seed_summary
+    rows = [{"oracle_gap_closed": 0.6, "cost_saving_vs_best_rule": 0.2, "unguarded_oracle_gap_closed": 0.1,
+             "unguarded_cost_saving_vs_best_rule": -0.01},
+            {"oracle_gap_closed": 0.4, "cost_saving_vs_best_rule": 0.1, "unguarded_oracle_gap_closed": None,
+             "unguarded_cost_saving_vs_best_rule": None},
+            {"oracle_gap_closed": None, "cost_saving_vs_best_rule": None}]
+    s = seed_summary(rows, 0.5)
+    assert s["seeds"] == 3 and s["seeds_meeting_gap_target"] == 1 and s["seeds_beating_best_rule"] == 2
+    assert s["mean_cost_saving_vs_best_rule"] == pytest.approx(0.15)
+    assert s["unguarded_seeds_meeting_gap_target"] == 0 and s["unguarded_seeds_beating_best_rule"] == 0
+
+
+def test_seeds_cli_refuses_bad_seeds_before_starting_ray(capsys):
+    from launch import seeds
+    assert seeds.main(["--preset", "smoke", "--seed-list", "1,1"]) == 2
+    assert "distinct" in capsys.readouterr().err
+    assert seeds.main(["--preset", "smoke", "--updates", "0"]) == 2
+    assert seeds.main(["--preset", "smoke", "--set", "agent.nope=1"]) == 2
+
+
+@pytest.mark.ray
+def test_a_seed_table_runs_each_seed_to_its_update_budget(ray_local, tmp_path):
+    import json
+
+    import torch
+
+    from launch import seeds
+    out = tmp_path / "seeds.json"
+    assert seeds.main(["--preset", "smoke", "--seed-list", "3,4", "--updates", "30", "--minutes", "2",
+                       "--storage", str(tmp_path), "--json", str(out), "--quiet", "--no-dashboard"]) == 0
+    doc = json.loads(out.read_text())
+    rows = doc["seeds"]
+    assert [r["seed"] for r in rows] == [3, 4] and not doc["errors"]
+    for r in rows:  # the budget in updates, reached; the policy under its guard and without it
+        assert r["updates"] == 30 and r["stopped_by"] == "updates"
+        assert 0.0 <= r["guard_clipped_share"] <= 1.0 and 0.0 <= r["guard_fallback_share"] <= 1.0
+        assert r["cost"] > 0 and r["unguarded_cost"] > 0
+    a, b = (torch.load(r["checkpoint"], map_location="cpu", weights_only=False) for r in rows)
+    assert a["config"]["seed"] == 3 and b["config"]["seed"] == 4
+    wa, wb = a["learner"]["net"], b["learner"]["net"]
+    assert any(not torch.equal(wa[k], wb[k]) for k in wa)  # two seeds, two policies
+    assert doc["summary"]["seeds"] == 2
