@@ -152,10 +152,12 @@ class PublishedWeights(_Message):
 @dataclass
 class StoreMeta(_Message):
     """What a reader of the weight store needs besides the weights: the run's network config
-    (a NetConfig) and the names of its action branches."""
+    (a NetConfig), the names of its action branches and the policy's guard (an
+    apex_bdq.guard.Guard; None: none)."""
 
     net: Any
     branches: tuple = ()
+    guard: Any = None
 
 
 @dataclass

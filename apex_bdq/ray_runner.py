@@ -142,7 +142,8 @@ class ApexRun:
         the same cluster (the name taken) gets an unnamed one and says so."""
         from learner.weight_store import WEIGHT_STORE_NAME
         from actors.preference_actor import NAMESPACE
-        meta = StoreMeta(net=self.cfg.net, branches=tuple(self.cfg.sim.branch_names))
+        from apex_bdq.guard import guard_for
+        meta = StoreMeta(net=self.cfg.net, branches=tuple(self.cfg.sim.branch_names), guard=guard_for(self.cfg))
         try:  # creating under a taken name raises; no check-then-create race between two runs
             store = Store.options(name=WEIGHT_STORE_NAME, namespace=NAMESPACE).remote(meta)
             self.store_named = True

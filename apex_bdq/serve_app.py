@@ -54,6 +54,10 @@ class ServeOptions:
     feedback_token: Optional[str] = None
     initial_wait_s: float = 60.0
     """--follow: how long a new replica waits for the run's first weights."""
+    guard: bool = True
+    """Decide under the policy's guard (apex_bdq/guard.py; platform v2): its band around the
+    reference rule and its fallback outside the training days' load shapes. False: the bare
+    network's greedy actions."""
     user_code_thread: bool = False
     """Run the handler on its own event loop in a second thread, Serve's default
     (`RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=1`). Off here: every request then skips a
@@ -167,14 +171,15 @@ class DecisionService:
                 if time.time() > deadline:
                     raise RuntimeError(f"the run's weight store had no weights after {opts.initial_wait_s:.0f} s")
                 time.sleep(0.5)
-            policy = S.policy_from_state(net_cfg, ray.get(got.ref[0]), got.version, "weight-store")
+            policy = S.policy_from_state(net_cfg, ray.get(got.ref[0]), got.version, "weight-store",
+                                         guard=getattr(meta, "guard", None) if opts.guard else None)
             self.holder = S.PolicyHolder(policy)
             self.holder.follow(store, opts.reload_s,
                                lookup=lambda: ray.get_actor(WEIGHT_STORE_NAME, namespace=NAMESPACE))
         else:
             from apex_bdq.checkpoint import load_checkpoint
             from apex_bdq.config import sim_config_from_dict
-            self.holder = S.PolicyHolder(S.policy_from_checkpoint(opts.checkpoint))
+            self.holder = S.PolicyHolder(S.policy_from_checkpoint(opts.checkpoint, guard=opts.guard))
             self.branches = sim_config_from_dict(load_checkpoint(opts.checkpoint)["config"]["sim"]).branch_names
             self.holder.watch_checkpoint(opts.checkpoint, opts.reload_s)
         if opts.batching:
@@ -336,6 +341,9 @@ class DecisionService:
                 "batching": {"enabled": self.opts.batching, "max_batch_shards": self.opts.max_batch_shards,
                              "batch_wait_s": self.opts.batch_wait_s},
                 "branches": list(self.branches), "shards_served": self.served,
+                # decisions of the current policy version its guard bounded to the rule's band or
+                # replaced by the rule's (an observation outside the training days' load shapes)
+                "guard": None if p.guard is None else dict(p.guard_counts),
                 # as Serve read its environment when this replica started
                 "user_code_thread": bool(serve_constants.RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD),
                 "net": {f: getattr(p.net.cfg, f) for f in p.net.cfg.SHAPE_FIELDS}}

@@ -262,33 +262,64 @@ class Policy:
     version: int
     source: str
     loaded_at: float = field(default_factory=time.time)
+    guard: Optional[Any] = None
+    """The policy's guard (apex_bdq.guard.Guard; None: the bare network). The decisions it
+    bounded or replaced are counted in `guard_counts`."""
+    guard_counts: dict = field(default_factory=lambda: {"decisions": 0, "clipped": 0, "fallback": 0})
 
     @torch.inference_mode()
     def decide(self, macro: np.ndarray, micro: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Greedy per-branch actions [B, D] (int64) and Q [B, D, n] (float32)."""
+        """Per-branch actions [B, D] (int64: greedy, then the guard's) and Q [B, D, n] (float32)."""
         if not macro.flags.writeable:  # arrays from Ray's object store are read-only
             macro, micro = macro.copy(), micro.copy()
         elif not micro.flags.writeable:
             micro = micro.copy()
         q = self.net(torch.from_numpy(macro), torch.from_numpy(micro))
-        return q.argmax(-1).numpy(), q.numpy()
+        actions = q.argmax(-1).numpy()
+        if self.guard is not None:
+            actions, clipped, back = self.guard.apply(macro, actions)
+            c = self.guard_counts
+            c["decisions"] += len(actions)
+            c["clipped"] += int(clipped.sum())
+            c["fallback"] += int(back.sum())
+        return actions, q.numpy()
 
 
-def policy_from_checkpoint(path: str | Path) -> Policy:
+def guard_of_checkpoint(ck: dict, path: str | Path):
+    """The guard a checkpoint's policy runs under (None: off, or platform v1); it needs the
+    training trace to know the load shapes training covered."""
+    from apex_bdq.checkpoint import CheckpointError
+    from apex_bdq.config import ConfigError, train_config_from_dict
+    from apex_bdq.guard import guard_for
+    from apex_bdq.sim.trace import TraceError
+    try:
+        cfg = train_config_from_dict(ck["config"])
+    except (KeyError, TypeError, ConfigError) as e:
+        raise CheckpointError(f"checkpoint {str(path)!r}: no usable config for its guard: {e}") from e
+    try:
+        return guard_for(cfg)
+    except (TraceError, OSError) as e:
+        raise CheckpointError(f"checkpoint {str(path)!r}: its guard needs the training trace to know the load "
+                              f"shapes training covered ({e}); serve the bare network with --no-guard") from e
+
+
+def policy_from_checkpoint(path: str | Path, guard: bool = True) -> Policy:
     """The greedy policy of a checkpoint (the file is read once: a replacement racing the
-    load cannot mix two versions); version = the learner's weight version in it."""
+    load cannot mix two versions), under its guard unless guard=False; version = the
+    learner's weight version in it."""
     from apex_bdq.checkpoint import load_checkpoint, network_of
     ck = load_checkpoint(path)
     net = network_of(ck, path)
     version = int(ck["learner"].get("version", ck.get("counters", {}).get("updates", 0)))
-    return Policy(net.eval(), version, f"checkpoint:{Path(path).resolve()}")
+    return Policy(net.eval(), version, f"checkpoint:{Path(path).resolve()}",
+                  guard=guard_of_checkpoint(ck, path) if guard else None)
 
 
-def policy_from_state(net_cfg: NetConfig, state: dict, version: int, source: str) -> Policy:
+def policy_from_state(net_cfg: NetConfig, state: dict, version: int, source: str, guard=None) -> Policy:
     from learner.weight_store import load_numpy_state
     net = BDQNetwork(net_cfg)
     load_numpy_state(net, state)
-    return Policy(net.eval(), int(version), source)
+    return Policy(net.eval(), int(version), source, guard=guard)
 
 
 class PolicyHolder:
@@ -342,7 +373,7 @@ class PolicyHolder:
             if m == state["mtime"]:
                 return None
             state["mtime"] = m  # a file that fails to load is retried only when it changes again
-            return policy_from_checkpoint(path)
+            return policy_from_checkpoint(path, guard=self.policy.guard is not None)
         self._start(poll, every_s)
 
     def follow(self, store, every_s: float = 1.0, lookup: Optional[Callable[[], Any]] = None) -> None:
@@ -362,7 +393,8 @@ class PolicyHolder:
             if got is None:
                 return None
             state["baseline"] = got.version
-            return policy_from_state(self.cfg, ray.get(got.ref[0], timeout=60), got.version, "weight-store")
+            return policy_from_state(self.cfg, ray.get(got.ref[0], timeout=60), got.version, "weight-store",
+                                     guard=self.policy.guard)
         self._start(poll, every_s)
 
     def stop(self) -> None:

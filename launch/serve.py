@@ -43,6 +43,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="run the handler on a second event loop in its own thread (Serve's default; off here)")
     ap.add_argument("--feedback-token", default=None,
                     help="bearer token for /v1/feedback (default: $APEX_BDQ_FEEDBACK_TOKEN; none = feedback refused)")
+    ap.add_argument("--no-guard", action="store_true",
+                    help="serve the bare network's greedy actions (default: under the policy's guard)")
     ap.add_argument("--feedback-log", default=None,
                     help="start a preference actor writing this log when no training run provides one")
     a = ap.parse_args(argv)
@@ -60,9 +62,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                             max_batch_shards=a.max_batch_shards, batch_wait_s=a.batch_wait_ms / 1e3,
                             max_ongoing_requests=a.max_ongoing, replicas=a.replicas, replica_cpus=a.replica_cpus,
                             torch_threads=a.torch_threads, reload_s=a.reload_s,
-                            feedback_token=S.env_token(a.feedback_token), user_code_thread=a.user_code_thread)
-        if checkpoint is not None:
-            S.policy_from_checkpoint(checkpoint)  # a bad file fails here, with its reason, not in a replica
+                            feedback_token=S.env_token(a.feedback_token), user_code_thread=a.user_code_thread,
+                            guard=not a.no_guard)
+        if checkpoint is not None:  # a bad file (or a guard without its trace) fails here, not in a replica
+            S.policy_from_checkpoint(checkpoint, guard=not a.no_guard)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

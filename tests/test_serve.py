@@ -50,6 +50,12 @@ def q_of(net: BDQNetwork, macro, micro) -> np.ndarray:
         return net(torch.from_numpy(macro), torch.from_numpy(micro)).numpy()
 
 
+def guarded(macro, q) -> np.ndarray:
+    """The actions the server answers: the greedy ones under the checkpoint's guard."""
+    from apex_bdq.guard import guard_for
+    return guard_for(dataclasses.replace(CFG, net=NET)).apply(macro, q.argmax(-1))[0]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -110,7 +116,7 @@ def test_decide_over_json_and_msgpack_matches_the_checkpoint(server):
         d = c.decide(macro, micro)
         assert d.version == 7 and d.actions.shape == (5, NET.num_branches) and d.q.shape == want_q.shape
         np.testing.assert_allclose(d.q, want_q, rtol=1e-5, atol=1e-5)
-        np.testing.assert_array_equal(d.actions, want_q.argmax(-1))
+        np.testing.assert_array_equal(d.actions, guarded(macro, want_q))
         assert {"parse", "queue", "model", "replica"} <= set(d.server_timing)
         assert d.branches == list(SimConfig().branch_names)  # v2: capacity_k, hold_k per class, admission
     with DecisionClient(server["url"], use_msgpack=False) as c:  # one shard, JSON, no batch axis
@@ -119,6 +125,8 @@ def test_decide_over_json_and_msgpack_matches_the_checkpoint(server):
         assert c.decide(macro, micro, include_q=False).q is None
         h = c.healthz()
         assert h["version"] == 7 and h["batching"]["enabled"] and h["net"]["macro_features"] == NET.macro_features
+        assert h["guard"]["decisions"] >= 11 and 0 <= h["guard"]["clipped"] + h["guard"]["fallback"] <= \
+            h["guard"]["decisions"]  # the replica's own count of what its guard did
         assert h["user_code_thread"] is False  # the deployment's runtime env reached the replica
         status, hdr, raw = c.request("GET", "/openapi.json")
         spec = json.loads(raw)
@@ -243,7 +251,7 @@ def test_a_new_checkpoint_is_swapped_in_without_dropping_requests(server):
         versions = [v for v, _ in mine]
         assert versions[0] == v0 and versions[-1] == v0 + 1, (versions[:3], versions[-3:])
         assert versions == sorted(versions)
-    want = q_of(new, macro, micro).argmax(-1)
+    want = guarded(macro, q_of(new, macro, micro))
     assert all(np.array_equal(a, want) for v, a in seen if v == v0 + 1)
     with DecisionClient(url) as c:
         h = c.healthz()
@@ -408,3 +416,39 @@ def _json_ok(doc) -> bool:
         return True
     except ValueError:
         return False
+
+
+def test_a_guard_without_its_training_trace_is_refused_naming_the_way_out(tmp_path, capsys):
+    from apex_bdq import serving as S
+    from apex_bdq.config import TraceConfig
+    from launch.serve import main
+    trace = tmp_path / "gone_1min.csv"
+    trace.write_text("minute,rate\n" + "".join(f"{i},{10 + i % 7}\n" for i in range(3000)))
+    ck = tmp_path / "policy.pt"
+    sim = CFG.sim.replace(trace=TraceConfig(path=str(trace)))
+    torch.manual_seed(0)
+    net = BDQNetwork(NET)
+    save_checkpoint(ck, config_to_dict(dataclasses.replace(CFG, sim=sim, net=NET)),
+                    {"net": net.state_dict(), "version": 1}, {"updates": 1})
+    trace.unlink()  # served on a machine without the trace it was trained on
+    assert main(["--checkpoint", str(ck)]) == 2
+    err = capsys.readouterr().err
+    assert "training trace" in err and "--no-guard" in err
+    p = S.policy_from_checkpoint(ck, guard=False)  # what --no-guard serves: the bare network
+    macro, micro = obs(3)
+    a, q = p.decide(macro, micro)
+    np.testing.assert_array_equal(a, q.argmax(-1)) and p.guard is None
+
+
+def test_the_served_policy_decides_under_its_guard_and_counts(tmp_path):
+    from apex_bdq import serving as S
+    ck = tmp_path / "policy.pt"
+    net = write_checkpoint(ck, 3, seed=2)
+    p = S.policy_from_checkpoint(ck)
+    assert p.guard is not None
+    macro, micro = obs(6, seed=4)
+    a, q = p.decide(macro, micro)
+    np.testing.assert_allclose(q, q_of(net, macro, micro), rtol=1e-5, atol=1e-5)
+    want, clipped, back = p.guard.apply(macro, q.argmax(-1))
+    np.testing.assert_array_equal(a, want)
+    assert p.guard_counts == {"decisions": 6, "clipped": int(clipped.sum()), "fallback": int(back.sum())}
