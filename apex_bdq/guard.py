@@ -90,18 +90,20 @@ class Guard:
         f = load_shape(np.asarray(macro, dtype=np.float64), self.idx)
         return ((f >= self.lo) & (f <= self.hi)).all(1)
 
-    def apply(self, macro: np.ndarray, actions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(guarded actions [B, D], clipped [B] bool, fell back [B] bool) for learned
-        `actions` [B, D] taken on `macro` [B, F]."""
+    def apply(self, macro: np.ndarray, actions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(guarded actions [B, D], clipped, capped, fell back: [B] bool each) for learned
+        `actions` [B, D] taken on `macro` [B, F]. clipped: a plan factor moved into the band;
+        capped: the admission level lowered to the cap; fell back: the rule's decision."""
         a = np.asarray(actions)
         K = self.K
         out = a.copy()
         np.clip(out[:, :K], self.plan_lo, self.plan_hi, out=out[:, :K])
         np.minimum(out[:, -1], self.cfg.max_admission, out=out[:, -1])
-        clipped = (out != a).any(1)
         back = ~self.inside(macro)
+        clipped = (out[:, :K] != a[:, :K]).any(1) & ~back
+        capped = (out[:, -1] != a[:, -1]) & ~back
         out[back] = self.rule
-        return out, clipped & ~back, back
+        return out, clipped, capped, back
 
     def to_dict(self) -> dict:
         span = 1.0 + 2.0 * self.cfg.ood_margin
@@ -188,7 +190,8 @@ def guard_for(cfg: TrainConfig) -> Optional[Guard]:
 
 class GuardedPolicy:
     """A greedy network under the guard, as `evaluate_policy` runs it; counts per shard
-    decision how many the guard clipped and how many it replaced by the rule's."""
+    decision how many the guard clipped (a plan factor moved into the band), how many had
+    their admission level capped, and how many it replaced by the rule's."""
 
     def __init__(self, inner, guard: Guard) -> None:
         self.inner, self.guard = inner, guard
@@ -197,16 +200,17 @@ class GuardedPolicy:
 
     def reset(self, sim) -> None:
         self.inner.reset(sim)
-        self.decisions = self.clipped = self.fallback = 0
+        self.decisions = self.clipped = self.capped = self.fallback = 0
         self.t = 0
         self.actions = None
 
     def act(self, sim, obs):
         learned, _ = self.inner.act(sim, obs)
         if self.actions is None or self.t % self.inner.k == 0:
-            self.actions, c, b = self.guard.apply(obs.macro, learned)
+            self.actions, c, cap, b = self.guard.apply(obs.macro, learned)
             self.decisions += len(c)
             self.clipped += int(c.sum())
+            self.capped += int(cap.sum())
             self.fallback += int(b.sum())
         self.t += 1
         return self.actions, None
@@ -214,4 +218,4 @@ class GuardedPolicy:
     def shares(self) -> dict:
         n = max(self.decisions, 1)
         return {"guard_decisions": self.decisions, "guard_clipped_share": self.clipped / n,
-                "guard_fallback_share": self.fallback / n}
+                "guard_admission_capped_share": self.capped / n, "guard_fallback_share": self.fallback / n}

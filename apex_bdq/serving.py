@@ -265,7 +265,8 @@ class Policy:
     guard: Optional[Any] = None
     """The policy's guard (apex_bdq.guard.Guard; None: the bare network). The decisions it
     bounded or replaced are counted in `guard_counts`."""
-    guard_counts: dict = field(default_factory=lambda: {"decisions": 0, "clipped": 0, "fallback": 0})
+    guard_counts: dict = field(default_factory=lambda: {"decisions": 0, "clipped": 0, "admission_capped": 0,
+                                                        "fallback": 0})
 
     @torch.inference_mode()
     def decide(self, macro: np.ndarray, micro: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -277,10 +278,11 @@ class Policy:
         q = self.net(torch.from_numpy(macro), torch.from_numpy(micro))
         actions = q.argmax(-1).numpy()
         if self.guard is not None:
-            actions, clipped, back = self.guard.apply(macro, actions)
+            actions, clipped, capped, back = self.guard.apply(macro, actions)
             c = self.guard_counts
             c["decisions"] += len(actions)
             c["clipped"] += int(clipped.sum())
+            c["admission_capped"] += int(capped.sum())
             c["fallback"] += int(back.sum())
         return actions, q.numpy()
 

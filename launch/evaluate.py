@@ -102,8 +102,9 @@ def print_policies(title: str, results: dict[str, dict]) -> None:
               f"{_pct(j.get('oracle_gap_closed')):>18}")
     for name, m in results.items():
         if "guard_decisions" in m:
-            print(f"  {name} ran under its guard: {100 * m['guard_clipped_share']:.1f} % of "
-                  f"{m['guard_decisions']:,} decisions bounded to the rule's band, "
+            print(f"  {name} ran under its guard: of {m['guard_decisions']:,} decisions "
+                  f"{100 * m['guard_clipped_share']:.1f} % had a plan factor moved into the rule's band, "
+                  f"{100 * m['guard_admission_capped_share']:.1f} % their admission capped, "
                   f"{100 * m['guard_fallback_share']:.2f} % fell back to the rule")
 
 

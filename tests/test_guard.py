@@ -32,12 +32,14 @@ def test_the_band_bounds_plans_and_admission_and_leaves_holds():
     assert g.plan_lo == rule[0] - 1 and g.plan_hi == rule[0] + 1
     rng = np.random.default_rng(0)
     a = rng.integers(0, SIM.sub_actions, size=(6, SIM.num_branches))
-    out, clipped, back = g.apply(macro_batch(), a)
+    out, clipped, capped, back = g.apply(macro_batch(), a)
     assert not back.any()
     assert ((out[:, :K] >= g.plan_lo) & (out[:, :K] <= g.plan_hi)).all() and (out[:, -1] <= 1).all()
     np.testing.assert_array_equal(out[:, K:2 * K], a[:, K:2 * K])  # holds are the policy's
-    inside = (a[:, :K] >= g.plan_lo).all(1) & (a[:, :K] <= g.plan_hi).all(1) & (a[:, -1] <= 1)
-    np.testing.assert_array_equal(clipped, ~inside)
+    plan_in = (a[:, :K] >= g.plan_lo).all(1) & (a[:, :K] <= g.plan_hi).all(1)
+    np.testing.assert_array_equal(clipped, ~plan_in)
+    np.testing.assert_array_equal(capped, a[:, -1] > 1)  # the admission cap, counted apart
+    inside = plan_in & (a[:, -1] <= 1)
     np.testing.assert_array_equal(out[inside], a[inside])  # a decision inside the band passes unchanged
 
 
@@ -51,11 +53,11 @@ def test_an_observation_outside_the_coverage_falls_back_to_the_rule():
     assert g.inside(macro).all()
     burst = macro.copy()
     burst[2, idx[1, -1]] = 10.0 * f[:, 1].max() + 1.0  # class 1's newest 2-minute rate: a burst never seen
-    out, clipped, back = g.apply(burst, a)
+    out, clipped, capped, back = g.apply(burst, a)
     np.testing.assert_array_equal(back, np.arange(6) == 2)
     np.testing.assert_array_equal(out[2], g.rule)
     np.testing.assert_array_equal(out[back == 0], a[back == 0])
-    assert not clipped[2]  # counted once: as a fallback
+    assert not clipped[2] and not capped.any()  # counted once: as a fallback
     # The margin widens the coverage by its share of the range on each side.
     assert Guard.build(GuardConfig(ood_margin=100.0), SIM, f.min(0), f.max(0)).inside(burst).all()
     # A round trip through the dict form (what a weight store's meta carries) keeps the bounds.
@@ -73,7 +75,7 @@ def test_the_guarded_policy_reports_its_shares_and_a_full_fallback_is_the_rule()
     m = evaluate_policy(pol, cfg.sim, shards=2, ticks=120).metrics
     s = pol.shares()
     assert s["guard_decisions"] == 2 * (120 + 900) // cfg.agent.decision_ticks  # warm-up ticks decide too
-    assert s["guard_fallback_share"] == 1.0 and s["guard_clipped_share"] == 0.0
+    assert s["guard_fallback_share"] == 1.0 and s["guard_clipped_share"] == s["guard_admission_capped_share"] == 0.0
     rule = evaluate_policy(Constant(default_action_v2(cfg.sim)), cfg.sim, shards=2, ticks=120).metrics
     assert m["cost"] == rule["cost"] and m["slo_violation_rate"] == rule["slo_violation_rate"]
     # Within a wide coverage nothing falls back, and every clipped decision was outside the band.

@@ -125,8 +125,8 @@ def test_decide_over_json_and_msgpack_matches_the_checkpoint(server):
         assert c.decide(macro, micro, include_q=False).q is None
         h = c.healthz()
         assert h["version"] == 7 and h["batching"]["enabled"] and h["net"]["macro_features"] == NET.macro_features
-        assert h["guard"]["decisions"] >= 11 and 0 <= h["guard"]["clipped"] + h["guard"]["fallback"] <= \
-            h["guard"]["decisions"]  # the replica's own count of what its guard did
+        g = h["guard"]  # the replica's own count of what its guard did
+        assert g["decisions"] >= 11 and 0 <= g["clipped"] + g["fallback"] <= g["decisions"]
         assert h["user_code_thread"] is False  # the deployment's runtime env reached the replica
         status, hdr, raw = c.request("GET", "/openapi.json")
         spec = json.loads(raw)
@@ -449,6 +449,7 @@ def test_the_served_policy_decides_under_its_guard_and_counts(tmp_path):
     macro, micro = obs(6, seed=4)
     a, q = p.decide(macro, micro)
     np.testing.assert_allclose(q, q_of(net, macro, micro), rtol=1e-5, atol=1e-5)
-    want, clipped, back = p.guard.apply(macro, q.argmax(-1))
+    want, clipped, capped, back = p.guard.apply(macro, q.argmax(-1))
     np.testing.assert_array_equal(a, want)
-    assert p.guard_counts == {"decisions": 6, "clipped": int(clipped.sum()), "fallback": int(back.sum())}
+    assert p.guard_counts == {"decisions": 6, "clipped": int(clipped.sum()), "fallback": int(back.sum()),
+                              "admission_capped": int(capped.sum())}
