@@ -4,7 +4,7 @@
     python -m launch.bench replay [--json PATH]
     python -m launch.bench apex [--json PATH] [--seconds 60] [--actors 1,2,4,8] [--plot PNG]
     python -m launch.bench route [--json PATH] [--batch 512]
-    python -m launch.bench preference [--json PATH] [--minutes 4] [--variants without,with] [--keep DIR]
+    python -m launch.bench preference [--json PATH] [--updates 6000] [--variants without,with] [--keep DIR]
     python -m launch.bench preference-fit --log LOG [--checkpoint CK] [--steps 1800] [--dense N]
                                                                      (see launch/bench_preference_fit.py)
     python -m launch.bench serve [--json PATH] [--requests 1000]      (see launch/bench_serve.py)
@@ -213,7 +213,7 @@ def bench_replay(repeats: int, seconds: float, capacity: int, batch: int, chunk:
         s = rb.sample(batch)
         rb.update_priorities(s.indices, s.generations, new_p)
 
-    ours = [_time_loop(lambda: ours_step(rb), seconds) for _ in range(repeats)]
+    ours = [_time_loop(lambda r=rb: ours_step(r), seconds) for _ in range(repeats)]
     res["ours_steps_per_s"] = statistics.median(ours)
     from replay_server import _memory
     res["ours_anon_hugepages_mb"] = _memory.anon_hugepages_mb()
@@ -225,7 +225,7 @@ def bench_replay(repeats: int, seconds: float, capacity: int, batch: int, chunk:
         rb = PrioritizedReplay(capacity, fields, device="cpu", seed=0)
         for i in range(-(-capacity // chunk)):
             rb.add(chunks[i % 4], prio)
-        res["ours_no_hugepages_steps_per_s"] = statistics.median(_time_loop(lambda: ours_step(rb), seconds)
+        res["ours_no_hugepages_steps_per_s"] = statistics.median(_time_loop(lambda r=rb: ours_step(r), seconds)
                                                                   for _ in range(repeats))
     finally:
         os.environ.pop("APEX_BDQ_NO_HUGEPAGES", None)
@@ -529,19 +529,27 @@ def _overload_reference(net, cfg, decisions: int, seed: int) -> dict:
             "cautious_constant_overload_rate": over / ticks, "cautious_constant_reward": reward / ticks}
 
 
-def bench_preference(minutes: float, variants: list[str], extra: list[str], seed: int = 0,
-                     keep: Optional[str] = None) -> dict:
-    """Local training runs of the default preset side by side, the same budget and seed, with
-    and without oracle feedback: overload ticks during exploration (rollout shard-ticks above
-    the utilisation threshold), evaluation reward, and how well the preference head ranks
-    held-out oracle pairs (every 5th oracle pair is kept out of training)."""
+def cell_pct(x) -> str:
+    return "-" if x is None else f"{100 * x:+.1f} %"
+
+
+def bench_preference(updates: int, variants: list[str], extra: list[str], seed: int = 0,
+                     keep: Optional[str] = None, minutes: float = 30.0) -> dict:
+    """Local training runs of the default preset side by side, the same budget in learner
+    updates and the same seed, with and without oracle feedback: overload ticks during
+    exploration (rollout shard-ticks above the utilisation threshold), the yardstick's cost
+    saving of the final policy on the held-out days, and how well the preference head ranks
+    held-out oracle pairs (every 5th oracle pair is kept out of training). The overload
+    floor is that of the most cautious constant action: what steering can remove is the
+    avoidable overload, the unsteered explorer's rate above that floor."""
     import dataclasses as dc
     import tempfile
 
     from apex_bdq.config import apply_overrides
     from apex_bdq.local_runner import LocalTrainer
     from apex_bdq.presets import PRESETS
-    base = dc.replace(PRESETS["default"], minutes=minutes, seed=seed)
+    from apex_bdq import yardstick
+    base = dc.replace(PRESETS["default"], minutes=minutes, updates=updates, seed=seed)
     rows = {}
     for name in variants:
         if name not in PREFERENCE_VARIANTS:
@@ -553,7 +561,7 @@ def bench_preference(minutes: float, variants: list[str], extra: list[str], seed
         log = os.path.join(folder, f"{name}.log")
         if os.path.exists(log):  # a log replays its pairs: a second run must not start from the first's
             raise SystemExit(f"{log} exists: --keep needs a folder without this variant's log")
-        print(f"[{name}] {minutes:g} min of training {' '.join(sets) or '(no preferences)'}", flush=True)
+        print(f"[{name}] {updates:,} updates of training {' '.join(sets) or '(no preferences)'}", flush=True)
         tr = LocalTrainer(cfg, feedback_log=log, heldout_every=5)
         res = tr.run(progress=False)
         if tr.pref is not None:
@@ -562,7 +570,11 @@ def bench_preference(minutes: float, variants: list[str], extra: list[str], seed
             tr.checkpoint(os.path.join(folder, f"{name}.pt"))
         p = res["preference"] or {}
         ref = _overload_reference(tr.learner.net, cfg, 400, seed)
+        judged = yardstick.report(cfg.sim, res["learned"], cfg.eval_shards, cfg.final_eval_replicas) \
+            if cfg.sim.platform == "v2" and cfg.final_eval_ticks is None else {}
         rows[name] = {"exploration_overload_rate": res["exploration_overload_rate"], "eval_reward": res["eval_reward"],
+                      "cost_saving_vs_best_rule": judged.get("cost_saving_vs_best_rule"),
+                      "oracle_gap_closed": judged.get("oracle_gap_closed"), "stopped_by": res.get("stopped_by"),
                       "slo_violation_rate": res["slo_violation_rate"], "hpa_eval_reward": res["hpa_eval_reward"],
                       "updates": res["updates"], "env_steps": res["env_steps"], "pairs": p.get("pairs"),
                       "heldout_pairs": p.get("heldout_pairs"), "heldout_pair_accuracy": p.get("heldout_pair_accuracy"),
@@ -580,7 +592,7 @@ def bench_preference(minutes: float, variants: list[str], extra: list[str], seed
     first = next(iter(rows.values()))
     print(f"most cautious constant action (top capacity tier, fastest servers): overload "
           f"{first['cautious_constant_overload_rate']:.4f}, reward {first['cautious_constant_reward']:.4f}")
-    out = {"minutes_per_run": minutes, "variants": rows}
+    out = {"updates_per_run": updates, "variants": rows}
     if "without" in rows and "with" in rows:
         w, wo = rows["with"], rows["without"]
         out.update(violations_without=wo["exploration_overload_rate"], violations_with=w["exploration_overload_rate"],
@@ -592,7 +604,15 @@ def bench_preference(minutes: float, variants: list[str], extra: list[str], seed
                    eval_pair_accuracy_noise_free=w["eval_pair_accuracy_noise_free"],
                    eval_label_ceiling=w["eval_label_ceiling"], eval_pairs=w["eval_pairs"],
                    greedy_overload_without=wo["greedy_overload_rate"],
-                   cautious_constant_overload=wo["cautious_constant_overload_rate"])
+                   cautious_constant_overload=wo["cautious_constant_overload_rate"],
+                   overload_floor=wo["cautious_constant_overload_rate"],
+                   cost_saving_without=wo["cost_saving_vs_best_rule"], cost_saving_with=w["cost_saving_vs_best_rule"])
+        floor = wo["cautious_constant_overload_rate"]
+        avoidable = wo["exploration_overload_rate"] - floor
+        out["avoidable_overload_removed"] = (wo["exploration_overload_rate"] - w["exploration_overload_rate"]) / \
+            avoidable if avoidable > 0 else float("nan")
+        cs_wo, cs_w = wo["cost_saving_vs_best_rule"], w["cost_saving_vs_best_rule"]
+        out["cost_saving_lost"] = (cs_wo - cs_w) / abs(cs_wo) if cs_wo and cs_w is not None else float("nan")
         drop = 1 - w["exploration_overload_rate"] / max(wo["exploration_overload_rate"], 1e-12)
         loss = 1 - w["eval_reward"] / wo["eval_reward"] if wo["eval_reward"] > 0 else float("nan")
         acc = w["heldout_pair_accuracy"]
@@ -611,6 +631,11 @@ def bench_preference(minutes: float, variants: list[str], extra: list[str], seed
               f"{w['eval_pair_accuracy_noise_free'] if w['eval_pair_accuracy_noise_free'] is not None else nan:.3f} "
               f"against the oracle's rule; a perfect ranker would score "
               f"{w['eval_label_ceiling'] if w['eval_label_ceiling'] is not None else nan:.3f} against the labels given")
+        rem, lost = out["avoidable_overload_removed"], out["cost_saving_lost"]
+        print(f"avoidable overload (the unsteered explorer's {wo['exploration_overload_rate']:.4f} above the floor "
+              f"{floor:.4f}) removed: {rem:.0%} (target >= 50 %: {'met' if rem >= 0.5 else 'NOT met'}); the "
+              f"yardstick's cost saving {cell_pct(cs_wo)} without, {cell_pct(cs_w)} with: {lost:+.1%} of it lost "
+              f"(target <= 5 %: {'met' if lost <= 0.05 else 'NOT met'})")
         print(f"overload of the 'without' run's greedy policy alone (no exploration): "
               f"{wo['greedy_overload_rate']:.4f}; of the most cautious constant action: "
               f"{wo['cautious_constant_overload_rate']:.4f} (what steering can take away lies above these)")
@@ -632,7 +657,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--actors", default="1,2,4,8", help="apex: actor counts")
     ap.add_argument("--shards-per-actor", type=int, default=16, help="apex: simulated shards per actor")
     ap.add_argument("--plot", help="apex: PNG of the scaling curve")
-    ap.add_argument("--minutes", type=float, default=4.0, help="preference: training minutes per run")
+    ap.add_argument("--updates", type=int, default=6000, help="preference: learner updates per run")
+    ap.add_argument("--minutes", type=float, default=30.0, help="preference: wall-clock cap per run")
     ap.add_argument("--variants", default="without,with",
                     help=f"preference: runs to compare ({', '.join(PREFERENCE_VARIANTS)})")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -667,7 +693,8 @@ def main(argv: list[str] | None = None) -> int:
         from launch.bench_serve import bench_serve
         res = bench_serve(a.requests)
     elif a.what == "preference":
-        res = bench_preference(a.minutes, [v.strip() for v in a.variants.split(",") if v.strip()], a.set, keep=a.keep)
+        res = bench_preference(a.updates, [v.strip() for v in a.variants.split(",") if v.strip()], a.set,
+                               keep=a.keep, minutes=a.minutes)
     elif a.what == "preference-fit":
         if not a.log:
             ap.error("preference-fit needs --log")
