@@ -253,8 +253,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"\nafter {res['train_seconds']:.0f} s: {res['env_steps']:,} env steps ({res['env_steps_per_s']:,.0f}/s), "
           f"{res['updates']:,} updates ({res['updates_per_s']:.1f}/s)")
     if res.get("updates_budget") is not None and res.get("stopped_by") != "updates":
-        print(f"note: the run stopped ({res.get('stopped_by')}) before its budget of {res['updates_budget']:,} updates: "
-              f"its figures are not the budget's (a slow machine: raise --minutes, the cap)")
+        why = ("the wall-clock cap ended it (a slow machine: raise --minutes)" if res.get("stopped_by") == "minutes"
+               else "the env-tick budget (max_env_ticks) ended it")
+        print(f"note: the run stopped before its budget of {res['updates_budget']:,} updates: {why}; its figures "
+              f"are not the budget's")
     res["yardstick"] = yardstick_of(cfg, res, a.quiet)
     _print_final(res, a.checkpoint)
     if a.json:
