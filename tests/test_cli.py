@@ -62,16 +62,32 @@ def test_train_ends_with_the_yardstick_and_launch_evaluate_agrees(tmp_path, caps
     text = capsys.readouterr().out
     y = json.loads(out.read_text())["yardstick"]
     assert "refused" not in y and y["headroom"] is not None
-    assert "learned policy (held-out days): cost" in text and "cost vs the best rule at that violation rate" in text
+    assert "learned policy (held-out days) under its guard: cost" in text and "without the guard: cost" in text
+    assert "cost vs the best rule at that violation rate" in text and "target (issue 25)" in text
+    res = json.loads(out.read_text())
+    assert res["learned"]["guarded"] and not res["learned_unguarded"]["guarded"] and "unguarded" in y
     if y["cost_saving_vs_best_rule"] is not None:
         verdict = "beats" if y["cost_saving_vs_best_rule"] > 0 else "does not beat"
         assert f"learned policy {verdict} the best rule's frontier" in text
     ev = tmp_path / "eval.json"
     assert evaluate.main(["--trace", str(trace), "--shards", "4", "--replicas", "1", "--policy",
-                          f"checkpoint:{ck}", "--json", str(ev), "--quiet"]) == 0
-    m = json.loads(ev.read_text())["policies"][f"checkpoint:{ck}"]
+                          f"checkpoint:{ck},checkpoint-unguarded:{ck}", "--json", str(ev), "--quiet"]) == 0
+    pol = json.loads(ev.read_text())["policies"]
+    m, bare = pol[f"checkpoint:{ck}"], pol[f"checkpoint-unguarded:{ck}"]
+    assert m["guard_decisions"] > 0 and "guard_decisions" not in bare
     for k in ("cost_saving_vs_best_rule", "violation_ratio_vs_best_rule", "oracle_gap_closed"):
-        assert m[k] == pytest.approx(y[k], rel=1e-9, abs=1e-12), k
+        assert m[k] == pytest.approx(y[k], rel=1e-9, abs=1e-12), k  # the guarded policy, both ways
+        assert bare[k] == pytest.approx(y["unguarded"][k], rel=1e-9, abs=1e-12), k
+
+
+def test_train_budget_in_updates_from_the_command_line(tmp_path):
+    from launch import train
+    out = tmp_path / "train.json"
+    assert train.main(["--local", "--preset", "smoke", "--updates", "25", "--set", "max_env_ticks=none",
+                       "--minutes", "2", "--json", str(out), "--checkpoint", str(tmp_path / "ck.pt"), "--quiet"]) == 0
+    res = json.loads(out.read_text())
+    assert res["updates"] == 25 and res["updates_budget"] == 25 and res["stopped_by"] == "updates"
+    assert res["history"][-1]["updates"] == 25
 
 
 def test_evaluate_refuses_a_comparison_with_too_few_windows(tmp_path, capsys):
