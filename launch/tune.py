@@ -1,6 +1,6 @@
 """Hyperparameter sweep of the distributed (Ape-X) trainer with Ray Tune and ASHA.
 
-    python -m launch.tune [--preset default|smoke] [--trials N] [--minutes M] [--storage DIR]
+    python -m launch.tune [--preset default|smoke] [--trials N] [--minutes M] [--updates N] [--storage DIR]
         [--name NAME] [--space KEY=SPEC ...] [--set KEY=VALUE ...] [--resume]
 
 Every trial is one `ApexRun` (rollout actors, replay shard, Ray Train learner group) started
@@ -72,6 +72,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--preset", default="default", help="launch.train preset every trial starts from")
     ap.add_argument("--trials", type=int, default=8, help="samples of the search space (x the size of any grid)")
     ap.add_argument("--minutes", type=float, help="training budget per trial (default: the preset's)")
+    ap.add_argument("--updates", type=int, help="budget in learner updates per trial (default: the preset's; "
+                                                "--minutes then caps the wall time)")
     ap.add_argument("--eval-every", type=float,
                     help="seconds between a trial's evaluations against HPA, i.e. its reports to ASHA "
                          "(default: a quarter of --minutes, at least 5)")
@@ -113,7 +115,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     minutes = a.minutes if a.minutes is not None else base.minutes
     eval_every = a.eval_every if a.eval_every is not None else max(5.0, minutes * 60.0 / 4)
     fixed = {"preset": a.preset, "overrides": list(a.set), "trace": os.path.abspath(a.trace) if a.trace else None,
-             "seed": a.seed, "minutes": minutes, "eval_every_s": eval_every,
+             "seed": a.seed, "minutes": minutes, "updates": a.updates if a.updates is not None else base.updates,
+             "eval_every_s": eval_every,
              "max_reports": max(1, int(minutes * 60.0 // eval_every)) + 1,
              "num_actors": a.num_actors, "num_learners": a.num_learners, "backend": a.backend,
              "num_replay_shards": a.num_replay_shards, "trial_cpus": a.trial_cpus, "actor_cpus": a.actor_cpus,
@@ -129,8 +132,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         # Fail before any cluster starts: every override must apply to the preset.
         probe = {k: (v if isinstance(v, (int, float, str)) else None) for k, v in space.items()}
         trial_train_config({"fixed": fixed, "space": {k: v for k, v in probe.items() if v is not None}})
-        if minutes <= 0 or eval_every <= 0 or a.trials < 1 or a.max_concurrent < 1:
-            raise ConfigError("--minutes, --eval-every, --trials and --max-concurrent must be > 0")
+        if minutes <= 0 or eval_every <= 0 or a.trials < 1 or a.max_concurrent < 1 or \
+                (a.updates is not None and a.updates < 1):
+            raise ConfigError("--minutes, --updates, --eval-every, --trials and --max-concurrent must be > 0")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
