@@ -127,6 +127,8 @@ def evaluate_groups(policy, cfg: SimConfig, groups: int, shards: int = 8, ticks:
                           sim.mean_load, reward_s, cost_s, replica_s, busy_cost_s, offered_s, arrivals, drops, late, busy_s,
                           capacity_s, p99_weighted, fairness_s, violated)
            for g in range(G)]
+    for m in out:  # which columns of which file were read as rates, in every table and JSON
+        m["trace"], m["rate_columns"] = sim.rates.source, list(sim.rates.columns)
     return out, keep
 
 

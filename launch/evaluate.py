@@ -276,7 +276,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help=f"one of {sorted(BASELINES)}, 'all', checkpoint:PATH, or a comma-separated list")
     ap.add_argument("--trace", help="CSV trace, or 'shared' for every trace in ../shared/traces")
     ap.add_argument("--platform", choices=("v2", "v1"), help="the platform (default: v2, or the checkpoints' own)")
-    ap.add_argument("--columns", nargs="+", help="rate columns of the trace (default: first one)")
+    ap.add_argument("--columns", nargs="+", help="rate columns of the trace (default: the first numeric one; "
+                    "refused when it looks like a time, with the candidates listed)")
     ap.add_argument("--interval-s", type=float, help="seconds per trace row (default: from the file)")
     ap.add_argument("--smooth-s", type=float,
                     help="centred moving average over the trace's rows before scaling (default: 300 s for the "
@@ -330,7 +331,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                                              if changed else ""))
     show = not a.quiet and sys.stderr.isatty()
     all_results: dict = {}
-    compared = 0
+    compared = failed = 0
     for path, cols in traces:
         label = path.name if path else f"bundled trace ({platform.platform})"
         try:
@@ -342,12 +343,17 @@ def main(argv: Optional[list[str]] = None) -> int:
                                                           not a.no_cache, show)
         except (TraceError, ConfigError, CheckpointError, ValueError) as e:
             print(f"error: {label}: {e}", file=sys.stderr)
-            return 2
+            if len(traces) == 1:
+                return 2
+            all_results[label] = {"error": str(e)}  # --trace shared: the other traces still run
+            failed += 1
+            continue
         first = next(iter(metrics.values()))
         copies = f", {replicas} copies with their own arrivals" if replicas > 1 else ""
         title = (f"\n{label}: {first['range']}; {shards} segments x {first['ticks']:,} ticks{copies}; "
                  f"{first['slo_windows']:,} settled class-windows per policy")
-        entry: dict = {"policies": metrics, "range": first["range"], "slo_windows": first["slo_windows"],
+        entry: dict = {"policies": metrics, "range": first["range"], "rate_columns": first.get("rate_columns"),
+                       "slo_windows": first["slo_windows"],
                        "floor_cost": first.get("offered_cost")}
         if judged is not None and "refused" in judged:
             print(title)
@@ -386,7 +392,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         payload = next(iter(all_results.values())) if len(all_results) == 1 else all_results
         write_json(a.json, payload)
         print(f"wrote {a.json}")
-    return 0 if compared else 2
+    return 0 if compared and not failed else 2
 
 
 if __name__ == "__main__":

@@ -122,8 +122,18 @@ def test_evaluate_replicas_give_per_copy_rates(tmp_path, capsys):
 def test_evaluate_any_csv_and_clear_errors(tmp_path, capsys):
     p = tmp_path / "web_1min.csv"
     p.write_text("minute,hits,bytes\n" + "\n".join(f"{i},{100 + (i % 60)},{i}" for i in range(600)) + "\n")
+    out = tmp_path / "web.json"
     assert evaluate.main(["--policy", "target", "--trace", str(p), "--ticks", "20", "--shards", "2",
-                          "--no-frontier", "--quiet"]) == 0
+                          "--no-frontier", "--quiet", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["rate_columns"] == ["hits"] and "rate column hits" in capsys.readouterr().out  # named where used
+    gw = tmp_path / "gateway_1min.csv"  # a timestamp first: refused, not read as a rate
+    gw.write_text("ts_anon,hits\n" + "\n".join(f"{1_700_000_000 + 60 * i},{100 + i % 7}" for i in range(600)) + "\n")
+    assert evaluate.main(["--policy", "hpa", "--trace", str(gw), "--quiet", "--no-frontier"]) == 2
+    err = capsys.readouterr().err
+    assert "'ts_anon' looks like a time" in err and "candidates ['hits']" in err
+    assert evaluate.main(["--policy", "hpa", "--trace", str(gw), "--columns", "hits", "--ticks", "20",
+                          "--shards", "2", "--no-frontier", "--quiet"]) == 0
     bad = tmp_path / "bad.csv"
     bad.write_text("minute,hits\n0,1\n1,oops\n2,3\n")
     assert evaluate.main(["--policy", "hpa", "--trace", str(bad), "--quiet"]) == 2

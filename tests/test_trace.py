@@ -122,3 +122,54 @@ def test_sim_config_with_a_bad_trace_fails_when_built(tmp_path):
     p.write_text("minute,req\n0,1\n1,x\n")
     with pytest.raises(TraceError, match="bad.csv"):
         make_sim(SimConfig(trace=TraceConfig(path=str(p))))
+
+
+def _write(p, header, rows):
+    p.write_text(",".join(header) + "\n" + "".join(",".join(str(x) for x in r) + "\n" for r in rows))
+    return p
+
+
+@pytest.mark.parametrize("header,first,why", [
+    (("ts_anon", "requests"), lambda i: 1_700_000_000 + 60 * i, "named like a time"),  # a gateway trace
+    (("elapsed_minute", "events"), lambda i: i, "named like a time"),  # a stream trace
+    (("n", "requests"), lambda i: 3 * i + 7, "increasing on every row"),  # an unnamed row counter
+    (("x", "requests"), lambda i: 1_700_000_000_000 + (i * 7919) % 5000, "epoch-sized"),  # Unix ms, unordered
+])
+def test_a_time_like_first_column_is_refused_with_the_candidates(tmp_path, header, first, why):
+    rng = np.random.default_rng(0)
+    rows = [(first(i), int(rng.poisson(50))) for i in range(200)]
+    p = _write(tmp_path / "trace_1min.csv", header, rows)
+    with pytest.raises(TraceError, match=why) as e:
+        load_trace(p)
+    msg = str(e.value)
+    assert "trace_1min.csv" in msg and repr(header[0]) in msg and "--columns" in msg
+    assert f"candidates [{header[1]!r}]" in msg
+    tr = load_trace(p, [header[1]])  # named explicitly, the rate column is read
+    assert tr.columns == (header[1],) and tr.counts[:, 0].tolist() == [r[1] for r in rows]
+
+
+def test_rate_columns_that_only_mention_a_unit_are_rates(tmp_path):
+    rng = np.random.default_rng(1)
+    p = _write(tmp_path / "t_1min.csv", ("requests_per_minute", "cpu"),
+               [(int(rng.poisson(40)), 0.5) for _ in range(100)])
+    assert load_trace(p).columns == ("requests_per_minute",)
+
+
+def test_an_all_zero_range_names_the_file_column_and_rows(tmp_path):
+    rows = [(i, 10 if i < 150 else 0) for i in range(200)]
+    p = _write(tmp_path / "quiet_1min.csv", ("minute", "req"), rows)
+    with pytest.raises(TraceError, match=r"quiet_1min\.csv.*column 'req' \(class 0\) is all zero over rows "
+                                         r"\d+-\d+, the held-out range"):
+        make_tick_rates(load_trace(p), 60.0, 4, (1.0,) * 4, (0.25,) * 4, 8.0, 0.25)
+    rows = [(i, 0 if i < 150 else 10) for i in range(200)]
+    p = _write(tmp_path / "late_1min.csv", ("minute", "req"), rows)
+    with pytest.raises(TraceError, match=r"late_1min\.csv.*column 'req' .*all zero over rows 2-\d+, the training"):
+        make_tick_rates(load_trace(p), 60.0, 4, (1.0,) * 4, (0.25,) * 4, 8.0, 0.25)
+
+
+def test_the_range_of_every_table_names_the_rate_columns(tmp_path):
+    rates = make_tick_rates(load_trace(BUNDLED_TRACE, list(BUNDLED_COLUMNS)), 60.0, 4, BUNDLED_SERVICE_TIME_S,
+                            (0.25,) * 4, 8.0, 0.25)
+    for split in ("train", "eval"):
+        text = rates.describe(split)
+        assert all(c in text for c in BUNDLED_COLUMNS) and "rate columns" in text

@@ -52,6 +52,12 @@ def default_smooth_s(path: str | Path) -> float:
 # Time columns understood, with seconds per unit. `date` (YYYY-MM-DD) adds whole days.
 TIME_COLUMNS = {"second": 1.0, "seconds": 1.0, "timestamp": 1.0, "time_s": 1.0,
                 "minute": 60.0, "minute_of_day": 60.0, "hour": 3600.0}
+# A column named like one of these words (alone or between underscores) is a time, not a rate.
+_TIME_NAME = re.compile(r"(?:^|_)(?:t|ts|time|times|timestamp|datetime|date|epoch|elapsed|tick|step|index|idx|"
+                        r"sec|secs|second|seconds|min|mins|minute|minutes|hour|hours|day|days|week|unix)(?:_|$)",
+                        re.IGNORECASE)
+# Unix epoch seconds (1992-2100) or milliseconds: a value of this size that barely varies is a clock.
+_EPOCH_S = (7.0e8, 4.2e9)
 _SUFFIX = re.compile(r"_(\d+(?:\.\d+)?)(s|sec|min|m|h)(?:_|\.|$)")
 _SUFFIX_UNIT = {"s": 1.0, "sec": 1.0, "min": 60.0, "m": 60.0, "h": 3600.0}
 
@@ -81,11 +87,35 @@ def _interval_from_name(path: Path) -> Optional[float]:
     return float(m.group(1)) * _SUFFIX_UNIT[m.group(2)] if m else None
 
 
+def time_like(name: str, values: np.ndarray) -> Optional[str]:
+    """Why a numeric column looks like a time axis rather than a rate, or None.
+
+    Named like a time (`ts_anon`, `elapsed_minute`, `unix_time`, ...); a counter (increasing
+    from row to row across the whole file, as a time index is and a real load never is); or
+    epoch-sized (every value a plausible Unix time in seconds or milliseconds, varying by
+    less than 10 %).
+    """
+    if _TIME_NAME.search(re.sub(r"(?i)(?:^|_)per_[a-z]+", "", name.strip())):  # `requests_per_minute` is a rate
+        return "named like a time"
+    v = np.asarray(values, dtype=np.float64)
+    if len(v) >= 20 and np.isfinite(v).all():  # a few rising rows of a tiny file are not a clock
+        d = np.diff(v)
+        if (d >= 0).all() and (d > 0).mean() >= 0.99:
+            return "increasing on every row (a counter or time index)"
+        lo, hi, med = float(v.min()), float(v.max()), float(np.median(v))
+        for scale in (1.0, 1000.0):
+            if _EPOCH_S[0] * scale <= lo and hi <= _EPOCH_S[1] * scale and (hi - lo) < 0.1 * med:
+                return "epoch-sized (a Unix time)"
+    return None
+
+
 def load_trace(path: str | Path, columns: Optional[Sequence[str]] = None,
                interval_s: Optional[float] = None) -> Trace:
     """Read a rate trace.
 
-    columns: the rate columns to keep (default: the first numeric non-time column).
+    columns: the rate columns to keep (default: the first numeric column that is not a time; a
+        first column that looks like one, see `time_like`, is refused with the candidates listed
+        rather than read as a rate).
     interval_s: seconds per row (default: from the time column, else the file name suffix).
     Raises TraceError naming the file and the problem.
     """
@@ -123,6 +153,12 @@ def load_trace(path: str | Path, columns: Optional[Sequence[str]] = None,
     if not rate_cols:
         raise TraceError(f"trace file {str(p)!r} has no numeric rate column (header: {header})")
     if columns is None:
+        why = time_like(rate_cols[0], numeric[rate_cols[0]])
+        if why is not None:
+            candidates = [h for h in rate_cols if time_like(h, numeric[h]) is None]
+            raise TraceError(f"trace file {str(p)!r}: its first numeric column {rate_cols[0]!r} looks like a time, "
+                             f"not a rate ({why}); name the rate column(s) with --columns "
+                             f"(trace.columns): candidates {candidates or rate_cols}")
         columns = rate_cols[:1]
     missing = [c for c in columns if c not in rate_cols]
     if missing:
@@ -213,7 +249,9 @@ class TickRates:
         lo, hi = self.split_range(split)
         days = (hi - lo) * self.tick_s / 86400.0
         start = (lo * self.tick_s) / 86400.0
-        return f"{split} ticks {lo:,}-{hi:,} ({days:.2f} days from day {start:.2f} of the trace)"
+        cols = ", ".join(self.columns)
+        return (f"{split} ticks {lo:,}-{hi:,} ({days:.2f} days from day {start:.2f} of the trace; "
+                f"rate column{'s' if len(self.columns) > 1 else ''} {cols})")
 
     def split_range(self, split: str) -> tuple[int, int]:
         """The [start, end) ticks of split "train", "val" or "eval"."""
@@ -276,10 +314,21 @@ def make_tick_rates(trace: Trace, tick_s: float, num_classes: int, service_time_
         split = _day_aligned(split, tod)
     if split < 1 or n - split < 1:
         raise TraceError(f"trace file {trace.path!r}: {n} ticks are too few to split at eval_fraction={eval_fraction}")
+    def where(k: int, lo: int, hi: int) -> str:
+        col = trace.columns[k if c > 1 else 0]
+        r0, r1 = (int(lo * tick_s / trace.interval_s) + 2, int(hi * tick_s / trace.interval_s) + 1)
+        return f"column {col!r} (class {k}) is all zero over rows {r0}-{r1}"
+
     mean_train = rates[:split].mean(axis=0)
     if (mean_train <= 0).any():
         k = int(np.argmax(mean_train <= 0))
-        raise TraceError(f"trace file {trace.path!r}: class {k} has no arrivals in the training range")
+        raise TraceError(f"trace file {trace.path!r}: {where(k, 0, split)}, the training range: nothing to "
+                         "normalise the load on")
+    mean_eval = rates[split:].mean(axis=0)
+    if (mean_eval <= 0).any():
+        k = int(np.argmax(mean_eval <= 0))
+        raise TraceError(f"trace file {trace.path!r}: {where(k, split, n)}, the held-out range: nothing to "
+                         "judge a policy on")
     target_rate = np.asarray(class_share) * mean_load_erlangs / np.asarray(service_time_s)  # [K] per second
     rates = rates * (target_rate / mean_train)
     val = int(round(split * (1.0 - validation_fraction)))
