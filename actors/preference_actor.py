@@ -34,9 +34,10 @@ NAMESPACE = "apex_bdq"
 
 class PreferenceActor:
     def __init__(self, net_cfg: NetConfig, cfg: PreferenceConfig, log_path: str, seed: int = 0,
-                 heldout_every: int = 0) -> None:
+                 heldout_every: int = 0, readonly: bool = False) -> None:
         """heldout_every > 0 keeps every k-th oracle-ranked pair out of training, to measure
-        how well the head ranks pairs it never saw."""
+        how well the head ranks pairs it never saw. readonly: open the log for reading only
+        (launch.feedback list / show beside a run that writes it); ranking is then refused."""
         self.net_cfg, self.cfg = net_cfg, cfg
         self.rng = np.random.default_rng(seed)
         self.unranked: OrderedDict[str, Segment] = OrderedDict()  # bounded, oldest first
@@ -51,12 +52,12 @@ class PreferenceActor:
         self.duplicates = 0
         self.net = None  # a copy for ensemble disagreement; set_weights fills it
         self.weights_version = -1
-        self.log = FeedbackLog(log_path)
+        self.log = FeedbackLog(log_path, readonly=readonly)
         meta, segs, pairs = replay_log(self.log)
         shapes = log_shapes(net_cfg)
-        if meta is None:
+        if meta is None and not readonly:
             self.log.append({"kind": "meta", "net": shapes})
-        elif dict(meta["net"]) != shapes:
+        elif meta is not None and dict(meta["net"]) != shapes:
             self.log.close()
             raise FeedbackError(f"feedback log {log_path!r} holds segments of a network shaped {dict(meta['net'])}, "
                                 f"this run's is {shapes}")
@@ -300,7 +301,8 @@ class PreferenceActor:
         return PreferenceStats(pairs=len(self.pairs), heldout_pairs=len(self.heldout), oracle_ranked=self.oracle_ranked,
                                unranked_segments=len(self.unranked), ranked_segments=len(self.ranked),
                                refused=self.refused, duplicates=self.duplicates, replayed_pairs=self.replayed_pairs,
-                               log_path=self.log.path, pid=os.getpid())
+                               log_path=self.log.path, pid=os.getpid(), log_corrupt_records=self.log.corrupt_records,
+                               log_torn_bytes=self.log.torn_bytes, log_orphan_pairs=self.log.orphan_pairs)
 
     def close(self) -> None:
         self.log.close()

@@ -8,7 +8,6 @@ that the network fits the simulator it will act in, and names any mismatch.
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 from typing import Optional
 
@@ -16,6 +15,7 @@ import numpy as np
 import torch
 
 from apex_bdq.config import ConfigError, SimConfig, net_config_from_dict
+from apex_bdq.durable import atomic_write
 from apex_bdq.networks import BDQNetwork, NetConfig
 
 FORMAT = "apex-bdq-checkpoint/1"
@@ -26,17 +26,10 @@ class CheckpointError(ValueError):
 
 
 def save_checkpoint(path: str | Path, config: dict, learner_state: dict, counters: dict) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save({"format": FORMAT, "config": config, "learner": learner_state, "counters": counters}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        tmp.replace(path)  # atomic: a crash mid-write never leaves a torn checkpoint
-    finally:
-        tmp.unlink(missing_ok=True)
+    # atomic and durable (a unique temp file, fsync of file and directory): a crash mid-write
+    # never leaves a torn checkpoint, and two writers never share a temp file
+    atomic_write(path, lambda f: torch.save({"format": FORMAT, "config": config, "learner": learner_state,
+                                             "counters": counters}, f))
 
 
 def load_checkpoint(path: str | Path) -> dict:

@@ -31,6 +31,7 @@ from typing import Optional
 import numpy as np
 
 from apex_bdq.config import GuardConfig, SimConfig, TrainConfig
+from apex_bdq.durable import atomic_write_bytes
 
 FEATURES = ("rate", "growth", "trend")  # per class, from the coarse arrival history
 EPS = 0.05  # rates are in units of the class's mean rate: a floor for the ratios
@@ -173,10 +174,7 @@ def coverage(sim: SimConfig, use_cache: bool = True) -> tuple[np.ndarray, np.nda
         return np.asarray(d["lo"]), np.asarray(d["hi"])
     lo, hi = measure_coverage(sim)
     if use_cache:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"lo": lo.tolist(), "hi": hi.tolist(), "features": FEATURES}))
-        tmp.replace(path)
+        atomic_write_bytes(path, json.dumps({"lo": lo.tolist(), "hi": hi.tolist(), "features": FEATURES}).encode())
     return lo, hi
 
 

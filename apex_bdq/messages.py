@@ -191,6 +191,7 @@ class LearnerReport(_Message):
     start_id: Optional[str] = None  # one per worker-group incarnation
     restored_from_updates: Optional[int] = None  # a restarted group's checkpoint
     replay_reattached: int = 0
+    optimizer_resets: int = 0  # a resumed optimiser state that did not load (warned; started afresh)
     pid: int = 0
     node_id: str = ""
 
@@ -270,6 +271,9 @@ class PreferenceStats(_Message):
     replayed_pairs: int = 0
     log_path: str = ""
     pid: int = 0
+    log_corrupt_records: int = 0  # skipped on replay (each warned about); the intact ones after them kept
+    log_torn_bytes: int = 0  # a torn last record cut off on replay
+    log_orphan_pairs: int = 0  # pairs replayed without their segments (lost to a corrupt record): left out
 
 
 @dataclass

@@ -8,14 +8,16 @@ saw, the actions it took, and the simulator's preference metrics over those tick
 (0.5) — the Bradley–Terry data of Christiano et al. (NeurIPS 2017).
 
 Feedback is precious: `FeedbackLog` appends every accepted pair (and, the first time it is
-referenced, each of its segments) as one framed msgpack record — 4-byte length, 4-byte
-CRC-32, msgpack payload — flushed and fsynced before the pair counts as accepted. Replay on
-start-up reads records until the end; a torn or corrupt last record (a crash mid-append) is
-reported with a warning and cut off, so appends continue from the last good record.
+referenced, each of its segments) as one framed msgpack record — 4-byte magic, length,
+CRC-32 of the payload, CRC-32 of the header, msgpack payload — flushed and fsynced before the pair counts as accepted. Replay on
+start-up skips and reports a corrupt record and keeps every intact record after it; a torn
+last record (a crash mid-append) is reported and cut off, so appends continue on a record
+boundary. One writer at a time (an exclusive lock); readers open it read-only.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import struct
 import time
@@ -23,10 +25,12 @@ import uuid
 import warnings
 import zlib
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, Optional
 
 import msgpack
 import numpy as np
+
+from apex_bdq.durable import fsync_dir
 
 PREFERENCE_METRICS = ("overload", "unfairness", "slo_violation")
 """Per-segment metrics the simulator reports and the oracle ranks by (lower is better):
@@ -206,7 +210,14 @@ def random_pairs(ids: list, n: int, rng: np.random.Generator) -> list[Preference
 
 
 # ----------------------------------------------------------------------------------------
-_HEADER = struct.Struct("<II")  # payload length, CRC-32 of the payload
+FILE_MAGIC = b"APXFBL2\n"  # first 8 bytes of a feedback log (format 2)
+_RECORD_MAGIC = b"\xa5FB\x5a"  # starts every record: where a scan picks up again after a corrupt one
+_HEADER = struct.Struct("<4sIII")  # record magic, payload length, CRC-32 of the payload, CRC-32 of the 12 before
+
+
+def _frame(payload: bytes) -> bytes:
+    head = struct.pack("<4sII", _RECORD_MAGIC, len(payload), zlib.crc32(payload))
+    return head + struct.pack("<I", zlib.crc32(head)) + payload
 
 
 class FeedbackLog:
@@ -214,62 +225,138 @@ class FeedbackLog:
 
     Records: {"kind": "meta", "net": {...}} first, then {"kind": "segment", "segment": Segment
     record} and {"kind": "pair", "a", "b", "label", "source", "time", "heldout"}.
+
+    Each record carries a magic, its length and a CRC-32 over both: a corrupt record (a
+    flipped byte anywhere) is skipped, reported (`corrupt_records`, `corrupt_bytes`, a
+    RuntimeWarning) and every intact record after it is kept; only a torn tail (a record cut
+    short by a crash while appending) is cut off, and only by a writer. One writer at a time:
+    opening for writing takes an exclusive `flock` and a second writer is refused with a
+    FeedbackError. `readonly=True` opens for reading only: no lock, nothing written or cut,
+    safe beside a live writer (whose half-written last record is then reported as torn).
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, readonly: bool = False) -> None:
         self.path = os.path.abspath(path)
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        self.readonly = readonly
         self.records_read = 0
         self.torn_bytes = 0
+        self.corrupt_records = 0
+        self.corrupt_bytes = 0
+        self.orphan_pairs = 0  # set by replay_log
+        self._f = None
+        if readonly:
+            if not os.path.isfile(self.path):
+                raise FeedbackError(f"feedback log {self.path!r} does not exist")
+            self._check_magic()
+            self._scan()
+            return
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        created = not os.path.exists(self.path)
+        f = open(self.path, "ab")
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.close()
+            raise FeedbackError(f"feedback log {self.path!r} is open for writing by another process (a running "
+                                "run or launch.feedback rank): one writer at a time; read it with "
+                                "launch.feedback --log PATH list, or rank through the run (--address)") from None
+        self._f = f
+        if created or os.path.getsize(self.path) == 0:
+            f.write(FILE_MAGIC)
+            f.flush()
+            os.fsync(f.fileno())
+            fsync_dir(self.path)  # the new file's directory entry is durable too
+        else:
+            self._check_magic()
         good_end = self._scan()
-        self._f = open(self.path, "ab")
         if self.torn_bytes:  # cut the torn tail so the next append starts on a record boundary
-            self._f.truncate(good_end)
-            self._f.flush()
-            os.fsync(self._f.fileno())
+            f.truncate(good_end)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def _check_magic(self) -> None:
+        with open(self.path, "rb") as f:
+            head = f.read(len(FILE_MAGIC))
+        if head != FILE_MAGIC:
+            raise FeedbackError(f"feedback log {self.path!r} does not start with {FILE_MAGIC!r}: not a feedback log "
+                                "of this version (format 2)")
 
     def _scan(self) -> int:
-        """Offset just past the last intact record (and count/warn about a torn tail)."""
-        if not os.path.exists(self.path):
-            return 0
-        end = 0
+        """Offset just past the last intact record; counts and warns about corrupt records and
+        a torn tail."""
+        end = len(FILE_MAGIC)
         for _, end in self._iter_with_offsets():
             pass
         size = os.path.getsize(self.path)
-        if size > end:
-            self.torn_bytes = size - end
-            warnings.warn(f"feedback log {self.path}: the last {self.torn_bytes} bytes are a torn or corrupt "
-                          f"record (a crash while appending?); skipped and cut off after "
-                          f"{self.records_read} intact records", RuntimeWarning, stacklevel=3)
-        return end
+        if self.corrupt_records:
+            warnings.warn(f"feedback log {self.path}: {self.corrupt_records} corrupt record(s) "
+                          f"({self.corrupt_bytes} bytes) skipped; {self.records_read} intact records kept, "
+                          "including every one after them", RuntimeWarning, stacklevel=3)
+        if self.torn_bytes:
+            warnings.warn(f"feedback log {self.path}: the last {self.torn_bytes} bytes are a torn record (a crash, "
+                          "or a writer appending right now); "
+                          + ("left in place (read-only)" if self.readonly else "cut off")
+                          + f" after {self.records_read} intact records", RuntimeWarning, stacklevel=3)
+        return min(end, size)
+
+    @staticmethod
+    def _record_at(data: bytes, off: int) -> tuple[Optional[dict], int, bool]:
+        """(record, offset past it, torn) at `off`; record None when there is none intact.
+        torn: the bytes run out before the record does (a write cut short)."""
+        if off + _HEADER.size > len(data):
+            return None, off, True
+        magic, n, crc, head_crc = _HEADER.unpack_from(data, off)
+        if magic != _RECORD_MAGIC or zlib.crc32(data[off:off + _HEADER.size - 4]) != head_crc:
+            return None, off, False  # a damaged header (its length cannot be trusted): corrupt
+        start, stop = off + _HEADER.size, off + _HEADER.size + n
+        if stop > len(data):
+            return None, off, True  # an intact header whose payload runs past the end: torn
+        payload = data[start:stop]
+        if zlib.crc32(payload) != crc:
+            return None, off, False
+        try:
+            return msgpack.unpackb(payload, raw=False), stop, False
+        except Exception:  # noqa: BLE001 - a CRC-valid but undecodable payload is corrupt
+            return None, off, False
 
     def _iter_with_offsets(self) -> Iterator[tuple[dict, int]]:
         with open(self.path, "rb") as f:
             data = f.read()
-        off = 0
-        self.records_read = 0
-        while off + _HEADER.size <= len(data):
-            n, crc = _HEADER.unpack_from(data, off)
-            start, stop = off + _HEADER.size, off + _HEADER.size + n
-            if stop > len(data) or zlib.crc32(data[start:stop]) != crc:
+        off = len(FILE_MAGIC)
+        self.records_read = self.torn_bytes = self.corrupt_records = self.corrupt_bytes = 0
+        while off < len(data):
+            rec, stop, torn = self._record_at(data, off)
+            if rec is not None:
+                self.records_read += 1
+                off = stop
+                yield rec, off
+                continue
+            nxt = data.find(_RECORD_MAGIC, off + 1)  # resynchronise on the next intact record
+            while nxt != -1 and self._record_at(data, nxt)[0] is None:
+                nxt = data.find(_RECORD_MAGIC, nxt + 1)
+            if nxt == -1:
+                if torn:
+                    self.torn_bytes = len(data) - off
+                else:  # a whole record with a bad byte at the end: corrupt, not torn; left in place
+                    self.corrupt_records += 1
+                    self.corrupt_bytes += len(data) - off
                 return
-            try:
-                rec = msgpack.unpackb(data[start:stop], raw=False)
-            except Exception:  # noqa: BLE001 - a CRC-valid but undecodable payload ends the good prefix
-                return
-            self.records_read += 1
-            off = stop
-            yield rec, off
+            self.corrupt_records += 1
+            self.corrupt_bytes += nxt - off
+            off = nxt
 
     def records(self) -> Iterator[dict]:
         """Every intact record, in append order."""
-        self._f.flush()
+        if self._f is not None:
+            self._f.flush()
         for rec, _ in self._iter_with_offsets():
             yield rec
 
     def append(self, record: dict) -> None:
+        if self._f is None:
+            raise FeedbackError(f"feedback log {self.path!r} is open read-only")
         payload = msgpack.packb(record, use_bin_type=True)
-        self._f.write(_HEADER.pack(len(payload), zlib.crc32(payload)) + payload)
+        self._f.write(_frame(payload))
         self._f.flush()
         os.fsync(self._f.fileno())
 
@@ -282,13 +369,15 @@ class FeedbackLog:
                      "source": pair.source, "time": float(pair.time or time.time()), "heldout": bool(pair.heldout)})
 
     def close(self) -> None:
-        if not self._f.closed:
-            self._f.close()
+        if self._f is not None and not self._f.closed:
+            self._f.close()  # closing releases the lock
 
 
 def replay_log(log: FeedbackLog) -> tuple[dict | None, dict, list[PreferencePair]]:
     """(meta, segments by id, pairs in order) from a log's intact records; meta is the
-    first record ({"kind": "meta", "net": shapes of the network the segments fit})."""
+    first record ({"kind": "meta", "net": shapes of the network the segments fit}). A pair
+    whose segments are not in the log (lost to a corrupt record) is left out, counted in
+    `log.orphan_pairs` and warned about."""
     meta = None
     segments: dict[str, Segment] = {}
     pairs: list[PreferencePair] = []
@@ -303,15 +392,18 @@ def replay_log(log: FeedbackLog) -> tuple[dict | None, dict, list[PreferencePair
             pairs.append(PreferencePair(a=rec["a"], b=rec["b"], label=float(rec["label"]),
                                         source=rec.get("source", ""), time=float(rec.get("time", 0.0)),
                                         heldout=bool(rec.get("heldout", False))))
-    return meta, segments, pairs
+    kept = [p for p in pairs if p.a in segments and p.b in segments]
+    log.orphan_pairs = len(pairs) - len(kept)
+    if log.orphan_pairs:
+        warnings.warn(f"feedback log {log.path}: {log.orphan_pairs} pair(s) left out: their segments are not in "
+                      "the log (lost to a corrupt record)", RuntimeWarning, stacklevel=2)
+    return meta, segments, kept
 
 
 def load_log(path: str) -> tuple[dict | None, dict, list[PreferencePair]]:
-    log = FeedbackLog(path)
-    try:
-        return replay_log(log)
-    finally:
-        log.close()
+    """Read a feedback log without opening it for writing (safe beside a live writer)."""
+    log = FeedbackLog(path, readonly=True)
+    return replay_log(log)
 
 
 def segment_summary(s: Segment) -> dict:

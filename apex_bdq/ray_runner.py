@@ -29,6 +29,7 @@ from typing import Callable, Optional
 from apex_bdq.checkpoint import CheckpointError, load_checkpoint
 from apex_bdq.config import ClusterConfig, TrainConfig
 from apex_bdq.driver import Driver, Progress
+from apex_bdq.durable import atomic_write
 from apex_bdq.system import make_components
 from apex_bdq.messages import ActorStats, StoreMeta, StoreStatus
 
@@ -470,9 +471,8 @@ def copy_checkpoint(result, dest: str | Path) -> Optional[Path]:
         src = Path(d) / CHECKPOINT_NAME
         if not src.exists():
             raise CheckpointError(f"Ray Train checkpoint {ck.path} has no {CHECKPOINT_NAME}")
-        tmp = dest.with_suffix(dest.suffix + ".tmp")
-        shutil.copyfile(src, tmp)
-        os.replace(tmp, dest)
+        with open(src, "rb") as s:
+            atomic_write(dest, lambda f: shutil.copyfileobj(s, f))
     return dest
 
 

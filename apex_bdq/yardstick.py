@@ -33,6 +33,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from apex_bdq.config import SimConfig
+from apex_bdq.durable import atomic_write_bytes
 from apex_bdq.evaluation import evaluate_groups
 
 # Each rule's setting and the values swept into its frontier.
@@ -300,10 +301,7 @@ def frontiers(cfg: SimConfig, shards: int, replicas: int, seed: int = 12345, spl
         out["oracle"] = sweep("oracle", cfg, ORACLE_SWEEP[1], shards, replicas, seed, split,
                               progress_for("oracle") if progress_for else None, ticks)
     if use_cache:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(out))
-        tmp.replace(path)
+        atomic_write_bytes(path, json.dumps(out).encode())
     out["cached"] = False
     return out
 

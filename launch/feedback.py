@@ -73,7 +73,9 @@ class _RayClient:
 class _LogClient:
     """A feedback log, without a cluster."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, write: bool) -> None:
+        """write=False (list, show) opens the log read-only: safe beside a run appending to it.
+        write=True (rank) takes the log's writer lock, refused while a run holds it."""
         import os
         from actors.preference_actor import PreferenceActor
         from apex_bdq.config import NetConfig, PreferenceConfig
@@ -83,7 +85,8 @@ class _LogClient:
         meta, _, _ = load_log(path)
         if meta is None:
             raise FeedbackError(f"feedback log {path!r} has no meta record: not a feedback log")
-        self.actor = PreferenceActor(NetConfig(**meta["net"]), PreferenceConfig(enabled=True), path)
+        self.actor = PreferenceActor(NetConfig(**meta["net"]), PreferenceConfig(enabled=True), path,
+                                     readonly=not write)
 
     def call(self, name: str, *args, **kw):
         return getattr(self.actor, name)(*args, **kw)
@@ -109,7 +112,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p_rank.add_argument("--tie", action="store_true", help="A and B are equally good")
     a = ap.parse_args(argv)
     try:
-        client = _LogClient(a.log) if a.log else _RayClient(a.address)
+        client = _LogClient(a.log, write=a.cmd == "rank") if a.log else _RayClient(a.address)
         if a.cmd == "list":
             rows = client.call("list_segments", a.limit, a.unranked)
             if a.json:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -146,6 +147,7 @@ class Learner:
         self.device = self.backend.device
         self.target = copy.deepcopy(self.net).requires_grad_(False)
         self.updates = 0
+        self.optimizer_resets = 0
         self.version = 0  # bumped whenever the weights change; stamped on what they produce
 
     def step(self, batch: Optional[SampledBatch], pref_batch=None, where: str = "") -> StepResult:
@@ -184,14 +186,19 @@ class Learner:
 
     def load_state_dict(self, state: dict, strict_optimizer: bool = True) -> None:
         """strict_optimizer=False: an optimiser state of another backend's layout (or none)
-        starts the optimiser afresh instead of failing."""
+        starts the optimiser afresh instead of failing, with a warning and a count
+        (`optimizer_resets`, reported in LearnerReport)."""
         self.net.load_state_dict(state["net"])
         self.target.load_state_dict(state["target"])
         try:
             self.backend.load_optimizer_state(state["opt"])
-        except (ValueError, KeyError, RuntimeError):
+        except (ValueError, KeyError, RuntimeError) as e:
             if strict_optimizer:
                 raise
+            self.optimizer_resets += 1
+            warnings.warn(f"the checkpoint's optimiser state does not load into the {self.backend.name} backend "
+                          f"({type(e).__name__}: {str(e)[:200]}); the optimiser starts afresh (Adam moments lost)",
+                          RuntimeWarning, stacklevel=2)
         self.updates = int(state.get("updates", 0))
         self.version = int(state.get("version", self.updates))
 

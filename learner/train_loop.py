@@ -393,6 +393,7 @@ class LearnerWorker:
                              backend=self.learner.backend.name, rank=self.rank, world_size=self.world, final=final,
                              start_id=self.start_id, restored_from_updates=self.restored_from,
                              replay_reattached=getattr(pre.source, "reattached", 0) if pre is not None else 0,
+                             optimizer_resets=self.learner.optimizer_resets,
                              pid=os.getpid(), node_id=self.node_id)
 
     def checkpoint(self, final: bool) -> None:

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from apex_bdq.config import check_snapshot_settings
+from apex_bdq.durable import atomic_write
 from apex_bdq.messages import PriorityUpdate, SampledBatch, ShardStats, TransitionBatch
 from replay_server.rate_limiter import RateLimiter
 from replay_server.replay import FieldSpec, PrioritizedReplay, ReplayError
@@ -197,9 +198,7 @@ class ReplayShard:
         path = self.snapshot_path()
         os.makedirs(os.path.dirname(path), exist_ok=True)
         state = self.replay.state_dict()  # a consistent copy, taken under the replay's lock
-        tmp = f"{path}.{os.getpid()}.tmp"
-        torch.save({"shard": self.shard_id, "time": time.time(), "replay": state}, tmp)
-        os.replace(tmp, path)
+        atomic_write(path, lambda f: torch.save({"shard": self.shard_id, "time": time.time(), "replay": state}, f))
         dt = time.perf_counter() - t0
         with self._stat_lock:
             self.snapshots += 1

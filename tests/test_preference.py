@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import os
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,6 +20,8 @@ from apex_bdq.networks import BDQNetwork
 from apex_bdq.preference import (FeedbackError, FeedbackLog, PreferenceBatch, PreferencePair, Segment,
                                  UnknownSegment, load_log, oracle_label)
 from learner.learner import Explorer, Learner, batch_preference_loss
+
+ROOT = Path(__file__).resolve().parents[1]
 
 NET = NetConfig.for_sim(SimConfig(), macro_hidden=32, micro_channels=8, z_dim=32, head_hidden=32,
                         preference_ensemble=3, preference_hidden=16)
@@ -190,8 +193,8 @@ def test_log_survives_restart_and_skips_a_torn_last_record(tmp_path):
     path = str(tmp_path / "fb.log")
     size = os.path.getsize(path)
     with open(path, "ab") as f:  # a crash half-way through appending the next record
-        f.write(b"\x40\x00\x00\x00\x12\x34\x56\x78partial-msgpack")
-    with pytest.warns(RuntimeWarning, match="torn or corrupt"):
+        f.write(_record_bytes({"kind": "pair", "a": "x", "b": "y", "label": 1.0})[:-5])
+    with pytest.warns(RuntimeWarning, match="torn record .* cut off"):
         again = pref_actor(tmp_path)
     assert os.path.getsize(path) == size  # the torn tail is cut off
     assert [(p.a, p.b, p.label) for p in again.pairs] == [(segs[0].id, segs[1].id, 1.0),
@@ -207,19 +210,124 @@ def test_log_survives_restart_and_skips_a_torn_last_record(tmp_path):
     assert len(pairs) == 3 and len(got_segs) == 6
 
 
-def test_log_detects_a_corrupted_record(tmp_path):
-    path = str(tmp_path / "x.log")
+def _record_bytes(rec: dict) -> bytes:
+    """One record as FeedbackLog frames it (a torn write is a prefix of this)."""
+    import msgpack
+    import struct
+    import zlib
+    payload = msgpack.packb(rec, use_bin_type=True)
+    head = b"\xa5FB\x5a" + struct.pack("<II", len(payload), zlib.crc32(payload))
+    return head + struct.pack("<I", zlib.crc32(head)) + payload
+
+
+def _ten_record_log(path: str) -> list[int]:
+    """A log of 10 pair records; returns the offset where each record starts."""
     log = FeedbackLog(path)
-    log.append({"kind": "pair", "a": "a", "b": "b", "label": 1.0})
-    log.append({"kind": "pair", "a": "c", "b": "d", "label": 1.0})
+    starts = []
+    for i in range(10):
+        starts.append(os.path.getsize(path))
+        log.append({"kind": "pair", "a": f"a{i}", "b": f"b{i}", "label": 1.0})
     log.close()
+    return starts
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+@pytest.mark.parametrize("field", ["magic", "length", "crc", "payload"])
+def test_a_corrupt_record_is_skipped_and_every_intact_one_after_it_kept(tmp_path, where, field):
+    path = str(tmp_path / "x.log")
+    starts = _ten_record_log(path)
+    size = os.path.getsize(path)
+    k = {"first": 0, "middle": 4, "last": 9}[where]
     raw = bytearray(open(path, "rb").read())
-    raw[-3] ^= 0xFF  # flip bits inside the last payload: the CRC no longer matches
+    raw[starts[k] + {"magic": 1, "length": 5, "crc": 13, "payload": 19}[field]] ^= 0x5A  # one flipped byte
     open(path, "wb").write(bytes(raw))
-    with pytest.warns(RuntimeWarning):
-        log = FeedbackLog(path)
-    assert [r["a"] for r in log.records()] == ["a"]
+    with pytest.warns(RuntimeWarning, match=r"1 corrupt record\(s\).*9 intact records kept"):
+        reader = FeedbackLog(path, readonly=True)
+    assert [r["a"] for r in reader.records()] == [f"a{i}" for i in range(10) if i != k]
+    assert reader.corrupt_records == 1 and reader.torn_bytes == 0
+    with pytest.warns(RuntimeWarning, match="corrupt"):
+        log = FeedbackLog(path)  # a writer keeps the corrupt bytes (nothing intact is cut) and appends after
+    assert os.path.getsize(path) == size
+    log.append({"kind": "pair", "a": "new", "b": "n", "label": 1.0})
     log.close()
+    with pytest.warns(RuntimeWarning):
+        assert [r["a"] for r in FeedbackLog(path, readonly=True).records()][-2:] == ["a9" if k != 9 else "a8", "new"]
+
+
+def test_only_a_torn_tail_is_cut_and_only_by_a_writer(tmp_path):
+    path = str(tmp_path / "x.log")
+    _ten_record_log(path)
+    size = os.path.getsize(path)
+    with open(path, "ab") as f:
+        f.write(_record_bytes({"kind": "pair", "a": "torn", "b": "t", "label": 1.0})[:9])
+    with pytest.warns(RuntimeWarning, match="torn record .* left in place"):
+        reader = FeedbackLog(path, readonly=True)
+    assert len(list(reader.records())) == 10 and os.path.getsize(path) == size + 9
+    with pytest.raises(FeedbackError, match="read-only"):
+        reader.append({"kind": "pair"})
+    with pytest.warns(RuntimeWarning, match="cut off"):
+        FeedbackLog(path).close()
+    assert os.path.getsize(path) == size
+
+
+def test_a_reader_beside_a_live_writer_and_a_second_writer(tmp_path):
+    path = str(tmp_path / "x.log")
+    writer = FeedbackLog(path)
+    writer.append({"kind": "pair", "a": "a0", "b": "b0", "label": 1.0})
+    with pytest.raises(FeedbackError, match="open for writing by another process"):
+        FeedbackLog(path)  # one writer at a time (the lock is per open file: same process too)
+    size = os.path.getsize(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert [r["a"] for r in FeedbackLog(path, readonly=True).records()] == ["a0"]
+    assert os.path.getsize(path) == size  # reading wrote nothing
+    writer.append({"kind": "pair", "a": "a1", "b": "b1", "label": 1.0})
+    assert [r["a"] for r in FeedbackLog(path, readonly=True).records()] == ["a0", "a1"]
+    writer.close()
+    FeedbackLog(path).close()  # the lock went with the writer
+    # from another process too
+    import subprocess
+    import sys
+    holder = subprocess.Popen([sys.executable, "-c", "import sys,time; sys.path.insert(0, %r); "
+                               "from apex_bdq.preference import FeedbackLog; l = FeedbackLog(%r); "
+                               "print('locked', flush=True); time.sleep(30)" % (str(ROOT), path)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(FeedbackError, match="open for writing"):
+            FeedbackLog(path)
+    finally:
+        holder.kill()
+        holder.wait()
+    FeedbackLog(path).close()
+
+
+def test_not_a_feedback_log_is_refused(tmp_path):
+    p = tmp_path / "old.log"
+    p.write_bytes(b"\x10\x00\x00\x00" + b"\x00" * 20)
+    for ro in (True, False):
+        with pytest.raises(FeedbackError, match="not a feedback log of this version"):
+            FeedbackLog(str(p), readonly=ro)
+
+
+def test_pairs_without_their_segments_are_counted_and_warned(tmp_path):
+    rng = np.random.default_rng(8)
+    actor = pref_actor(tmp_path)
+    segs = [make_segment(rng) for _ in range(4)]
+    actor.add_segments(segs)
+    actor.rank(segs[0].id, segs[1].id)
+    actor.rank(segs[2].id, segs[3].id)
+    actor.close()
+    path = str(tmp_path / "fb.log")
+    raw = bytearray(open(path, "rb").read())
+    i = raw.find(segs[2].id.encode())  # inside the first segment record of the second pair
+    raw[i] ^= 0x01
+    open(path, "wb").write(bytes(raw))
+    with pytest.warns(RuntimeWarning, match="1 pair.* left out"):
+        again = pref_actor(tmp_path)
+    st = again.stats()
+    assert st.log_corrupt_records == 1 and st.log_orphan_pairs == 1 and st.replayed_pairs == 1
+    again.close()
 
 
 def test_bad_feedback_is_refused_with_the_reason(tmp_path):
