@@ -352,20 +352,20 @@ class FeedbackLog:
         for rec, _ in self._iter_with_offsets():
             yield rec
 
-    def append(self, record: dict) -> None:
+    def append(self, *records: dict) -> None:
+        """Append records in order with one write and one fsync: durable when this returns. A
+        crash part-way leaves a prefix of them intact (each is framed on its own)."""
         if self._f is None:
             raise FeedbackError(f"feedback log {self.path!r} is open read-only")
-        payload = msgpack.packb(record, use_bin_type=True)
-        self._f.write(_frame(payload))
+        self._f.write(b"".join(_frame(msgpack.packb(r, use_bin_type=True)) for r in records))
         self._f.flush()
         os.fsync(self._f.fileno())
 
     def append_pair(self, pair: PreferencePair, new_segments: list[Segment]) -> None:
-        """Segments first, then the pair, all before returning: a pair in the log always
+        """Segments first, then the pair, in one fsynced append: a pair in the log always
         finds its segments when replayed."""
-        for s in new_segments:
-            self.append({"kind": "segment", "segment": s.to_record()})
-        self.append({"kind": "pair", "a": pair.a, "b": pair.b, "label": float(pair.label),
+        self.append(*({"kind": "segment", "segment": s.to_record()} for s in new_segments),
+                    {"kind": "pair", "a": pair.a, "b": pair.b, "label": float(pair.label),
                      "source": pair.source, "time": float(pair.time or time.time()), "heldout": bool(pair.heldout)})
 
     def close(self) -> None:

@@ -8,6 +8,8 @@
     python -m launch.bench preference-fit --log LOG [--checkpoint CK] [--steps 1800] [--dense N]
                                                                      (see launch/bench_preference_fit.py)
     python -m launch.bench serve [--json PATH] [--requests 1000]      (see launch/bench_serve.py)
+    python -m launch.bench feedback-log [--json PATH] [--requests 1200] [--repeats 3] [--folder DIR]
+                                                                     (see launch/bench_feedback_log.py)
 
 `sim`: shard-steps per second of the vectorised simulator (the default platform, v2) at S = 1, 64, 1024 on one core,
 side by side with a plain per-shard loop of the same dynamics (S single-shard simulators
@@ -645,7 +647,8 @@ def bench_preference(updates: int, variants: list[str], extra: list[str], seed: 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m launch.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["sim", "replay", "apex", "route", "preference", "preference-fit", "serve"],
+    ap.add_argument("what", choices=["sim", "replay", "apex", "route", "preference", "preference-fit", "serve",
+                                     "feedback-log"],
                     help="which benchmark")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--repeats", type=int, default=5)
@@ -669,7 +672,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dense", type=int, default=0,
                     help="preference-fit: train on this many rule-labelled random pairs of the training segments")
     ap.add_argument("--keep", help="preference: keep each run's feedback log and final checkpoint in this folder")
-    ap.add_argument("--requests", type=int, default=1000, help="serve: requests per 1-shard cell (256 shards: /4)")
+    ap.add_argument("--requests", type=int, default=1000,
+                    help="serve: requests per 1-shard cell (256 shards: /4); feedback-log: pairs x 4")
+    ap.add_argument("--folder", help="feedback-log: write in this folder (default: the temp folder)")
     a = ap.parse_args(argv)
     if a.repeats < 1 or a.seconds <= 0:
         ap.error("--repeats must be >= 1 and --seconds > 0")
@@ -689,6 +694,9 @@ def main(argv: list[str] | None = None) -> int:
               f"  attached in place (shared memory): {res['shared_memory_ms']:.3f} ms\n"
               f"  shard RPC through the object store: {res['object_store_ms']:.3f} ms "
               f"({res['object_store_over_shared']:.1f}x)")
+    elif a.what == "feedback-log":
+        from launch.bench_feedback_log import bench_feedback_log
+        res = bench_feedback_log(pairs=a.requests // 4, repeats=a.repeats, folder=a.folder)
     elif a.what == "serve":
         from launch.bench_serve import bench_serve
         res = bench_serve(a.requests)
