@@ -23,7 +23,7 @@ import torch
 
 from apex_bdq.config import NetConfig, PreferenceConfig
 from apex_bdq.messages import PreferenceStats
-from apex_bdq.preference import (FeedbackError, FeedbackLog, PreferenceBatch, PreferencePair, Segment,
+from apex_bdq.preference import (FeedbackError, FeedbackLog, PreferenceBatch, PreferencePair, Segment, pair_records,
                                  UnknownSegment, label_ceiling, oracle_label, random_pairs, replay_log,
                                  segment_summary)
 from learner.learner import batch_preference_loss, ranking_accuracy
@@ -121,27 +121,40 @@ class PreferenceActor:
         """Accept "a is preferred to b" (label 1.0; 0.0 = b preferred, 0.5 = tie). Returns
         'accepted' once durable, or 'duplicate' when the two were already ranked. Unknown ids
         and malformed pairs raise FeedbackError / UnknownSegment with the reason."""
-        pair = PreferencePair(a=a, b=b, label=float(label) if isinstance(label, (int, float)) else label,
-                              source=str(source), time=time.time(), heldout=bool(heldout))
-        try:
-            pair.check()
-            sa, sb = self.segment(a), self.segment(b)
-        except FeedbackError:
-            self.refused += 1
-            raise
-        if pair.key() in self.keys:
-            self.duplicates += 1
-            return "duplicate"
-        new = [s for s in (sa, sb) if s.id not in self.ranked]
-        self.log.append_pair(pair, new)  # durable before it counts
-        for s in new:
-            self.ranked[s.id] = s
-            self.unranked.pop(s.id, None)
-        self.keys.add(pair.key())
-        (self.heldout if heldout else self.pairs).append(pair)
-        if heldout:
-            self.heldout_ids.update((a, b))
-        return "accepted"
+        return self._rank_all([(a, b, label, heldout)], source)[0]
+
+    def _rank_all(self, items: list[tuple], source: str) -> list[str]:
+        """Rank (a, b, label, heldout) items with one fsynced append for all the accepted ones
+        (segments first, then their pair): durable before any of them counts."""
+        out, accepted, new_ids = [], [], set()
+        for a, b, label, heldout in items:
+            pair = PreferencePair(a=a, b=b, label=float(label) if isinstance(label, (int, float)) else label,
+                                  source=str(source), time=time.time(), heldout=bool(heldout))
+            try:
+                pair.check()
+                sa, sb = self.segment(a), self.segment(b)
+            except FeedbackError:
+                self.refused += 1
+                raise
+            if pair.key() in self.keys or any(pair.key() == p.key() for p, _ in accepted):
+                self.duplicates += 1
+                out.append("duplicate")
+                continue
+            new = [s for s in (sa, sb) if s.id not in self.ranked and s.id not in new_ids]
+            new_ids.update(s.id for s in new)
+            accepted.append((pair, new))
+            out.append("accepted")
+        if accepted:
+            self.log.append(*(r for pair, new in accepted for r in pair_records(pair, new)))
+        for pair, new in accepted:
+            for s in new:
+                self.ranked[s.id] = s
+                self.unranked.pop(s.id, None)
+            self.keys.add(pair.key())
+            (self.heldout if pair.heldout else self.pairs).append(pair)
+            if pair.heldout:
+                self.heldout_ids.update((pair.a, pair.b))
+        return out
 
     def rank_many(self, pairs: list[dict], segments: Optional[list[Segment]] = None,
                   source: str = "human") -> list[str]:
@@ -164,7 +177,9 @@ class PreferenceActor:
                 raise type(e)(f"pairs[{i}]: {e}") from None
         if segments:  # only once every pair is known good: a refused request stores nothing
             self.add_segments(segments)
-        return [self.rank(p["a"], p["b"], float(p.get("label", 1.0)), source=source) for p in pairs]
+        # one fsynced append for the whole request: its cost does not grow with an fsync per pair,
+        # so a full request (serving.MAX_PAIRS) holds this actor, which rollout actors also call, briefly
+        return self._rank_all([(p["a"], p["b"], float(p.get("label", 1.0)), False) for p in pairs], source)
 
     def oracle_allowance(self) -> int:
         """Pairs the oracle may still rank now: its budget (`pref.oracle_pairs`), paced like a
@@ -296,6 +311,11 @@ class PreferenceActor:
     def pair_keys(self) -> list[tuple[str, str]]:
         """Every accepted pair (training and held out), as its order-free key."""
         return [p.key() for p in self.pairs + self.heldout]
+
+    def where(self) -> dict:
+        """The node and process this actor runs in (restarts land wherever Ray places them)."""
+        import ray
+        return {"node": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
 
     def stats(self) -> PreferenceStats:
         return PreferenceStats(pairs=len(self.pairs), heldout_pairs=len(self.heldout), oracle_ranked=self.oracle_ranked,

@@ -137,7 +137,15 @@ class DecisionClient:
         return self._decode(status, headers, raw)
 
     def healthz(self) -> dict:
+        """{status, version}: no token needed."""
         return self._decode(*self.request("GET", "/healthz"))
+
+    def status(self) -> dict:
+        """The replica's details (policy source, swaps, last reload error, guard counts, limits);
+        needs the token."""
+        if not self.token:
+            raise ValueError("status needs a token (DecisionClient(token=...))")
+        return self._decode(*self.request("GET", "/v1/status", headers={"Authorization": f"Bearer {self.token}"}))
 
     def close(self) -> None:
         if self._conn is not None:

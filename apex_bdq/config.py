@@ -653,7 +653,11 @@ class ClusterConfig:
     """Restarts of each rollout actor, replay shard and the weight store, and learner-group
     failures Ray Train recovers from its last checkpoint (-1: no limit)."""
     storage_path: Optional[str] = None
-    """Ray Train storage (checkpoints); None: a temp dir."""
+    """Ray Train storage (checkpoints): a folder, or a URI (s3://, gs://, ...) taken as it is;
+    None: a temp dir (refused on a multi-node cluster: apex_bdq/cluster_storage.py)."""
+    storage_is_shared: bool = False
+    """Vouch that storage_path and pref.log_path are on a filesystem every node mounts at the
+    same path, when the multi-node check does not recognise its type."""
     checkpoint_path: Optional[str] = None
     """Each new learner checkpoint is copied here as it lands (the file --resume reads)."""
     replay_snapshot_dir: Optional[str] = None

@@ -220,6 +220,13 @@ def _frame(payload: bytes) -> bytes:
     return head + struct.pack("<I", zlib.crc32(head)) + payload
 
 
+def pair_records(pair: PreferencePair, new_segments: list[Segment]) -> list[dict]:
+    """The log records of an accepted pair: its segments not logged yet, then the pair."""
+    return [{"kind": "segment", "segment": s.to_record()} for s in new_segments] + [
+        {"kind": "pair", "a": pair.a, "b": pair.b, "label": float(pair.label), "source": pair.source,
+         "time": float(pair.time or time.time()), "heldout": bool(pair.heldout)}]
+
+
 class FeedbackLog:
     """Append-only, fsynced log of framed msgpack records (see the module docstring).
 
@@ -364,9 +371,7 @@ class FeedbackLog:
     def append_pair(self, pair: PreferencePair, new_segments: list[Segment]) -> None:
         """Segments first, then the pair, in one fsynced append: a pair in the log always
         finds its segments when replayed."""
-        self.append(*({"kind": "segment", "segment": s.to_record()} for s in new_segments),
-                    {"kind": "pair", "a": pair.a, "b": pair.b, "label": float(pair.label),
-                     "source": pair.source, "time": float(pair.time or time.time()), "heldout": bool(pair.heldout)})
+        self.append(*pair_records(pair, new_segments))
 
     def close(self) -> None:
         if self._f is not None and not self._f.closed:

@@ -81,6 +81,23 @@ class ApexRun:
         self._fit_thread: Optional[threading.Thread] = None  # Ray Train's fit(), once started
         self._failure: Optional[BaseException] = None  # what stopped the run early
         self.feedback_log = None
+        self.run_name = f"apex_bdq_{int(time.time())}"
+        self.multi_node = False
+
+    def _check_storage(self) -> None:
+        """On a multi-node cluster: checkpoints on shared storage and the feedback log on a
+        shared filesystem, or a clear refusal (apex_bdq/cluster_storage.py)."""
+        from apex_bdq.cluster_storage import check_storage, feedback_log_path, multi_node
+        self.multi_node, why = multi_node()
+        if not self.multi_node:
+            return
+        s = self.spec
+        check_storage(s.storage_path, s.storage_is_shared, why)
+        if self.cfg.pref.enabled:
+            resumed = (self.resume or {}).get("counters", {}).get("feedback_log")
+            log = feedback_log_path(self.cfg.pref.log_path or resumed, s.storage_path, s.storage_is_shared,
+                                    self.run_name, why)
+            self.cfg = dataclasses.replace(self.cfg, pref=dataclasses.replace(self.cfg.pref, log_path=log))
 
     # -- components ------------------------------------------------------------------------
     def _placement(self, kind: str) -> dict:
@@ -98,6 +115,7 @@ class ApexRun:
         from actors.rollout_actor import remote_actor_class
         from learner.weight_store import remote_store_class
         from replay_server.replay_actor import remote_shard_class
+        self._check_storage()
         s, parts = self.spec, make_components(self.cfg)
         # Weight store: versioned weights out to the actors (and Serve), the stop flag, the
         # learner's reports.
@@ -167,7 +185,7 @@ class ApexRun:
             env["TORCH_EXTENSIONS_DIR"] = os.environ["TORCH_EXTENSIONS_DIR"]
         per_worker = {"CPU": s.learner_cpus, **self._placement("learner")}
         storage = s.storage_path or os.path.join(tempfile.gettempdir(), "apex_bdq_train")
-        self.storage, self.run_name = storage, f"apex_bdq_{int(time.time())}"
+        self.storage = storage
         loop = LearnerLoopConfig(cfg=self.cfg, backend=s.backend, shards=self.shards, specs=self.specs,
                                  shard_cfg=self.shard_cfg, store=self.store, preference=self.pref, minutes=minutes,
                                  max_updates=max_updates, publish_every=s.publish_every,

@@ -3,10 +3,14 @@ apex_bdq/serving.py; `python -m launch.serve` starts it).
 
     POST /v1/decide    one or many shard observations (JSON or msgpack) -> actions, Q, version
     POST /v1/feedback  ranked segment pairs -> the preference actor (bearer token required)
-    GET  /healthz      policy version and source, swaps, batching settings
+    GET  /v1/status    policy source, swaps, reload errors, guard counts, limits (bearer token required)
+    GET  /healthz      ok and the policy version, nothing else (no token)
     GET  /docs, /openapi.json
 
-Requests are validated in the replica (4xx naming the problem), then queued into
+Every request's memory is bounded before anything is allocated (body size while streaming,
+decoded values, array shapes: apex_bdq/serving.py), the body bytes a replica holds at once are
+capped (503 + Retry-After past it), and so are the requests queued for a replica
+(`max_queued_requests`, 503 + Retry-After from Serve). Requests are validated in the replica (4xx naming the problem), then queued into
 `@serve.batch`: concurrent requests are decided by one forward pass over all their shards.
 The policy is an immutable object swapped by reference when a newer version loads, so a
 request in flight finishes on the version it started with, and every answer names it.
@@ -47,6 +51,13 @@ class ServeOptions:
     """How long a batch waits for more requests; 0 = take what is queued (adaptive batching)."""
     max_ongoing_requests: int = 256
     """Serve's default (5) starves @serve.batch."""
+    max_queued_requests: int = 1024
+    """Requests waiting for a replica beyond max_ongoing_requests; past it Serve answers 503
+    with Retry-After (Ray's default: unbounded)."""
+    max_body_bytes_in_flight: int = 256 << 20
+    """Request body bytes one replica holds at once (all requests being read); past it 503 with
+    Retry-After, so many large requests together cannot exhaust its memory."""
+    retry_after_s: int = 1
     replicas: int = 1
     replica_cpus: float = 1.0
     torch_threads: int = 1
@@ -67,11 +78,16 @@ class ServeOptions:
     def __post_init__(self) -> None:
         if (self.checkpoint is None) == (not self.follow):
             raise ValueError("give exactly one of checkpoint=PATH or follow=True")
-        for name in ("max_batch_shards", "max_ongoing_requests", "replicas", "torch_threads"):
+        for name in ("max_batch_shards", "max_ongoing_requests", "max_queued_requests", "replicas", "torch_threads",
+                     "retry_after_s"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if self.batch_wait_s < 0 or self.reload_s <= 0 or self.replica_cpus < 0:
             raise ValueError("batch_wait_s >= 0, reload_s > 0 and replica_cpus >= 0 are required")
+        if self.max_body_bytes_in_flight < S.MAX_BODY_BYTES:
+            raise ValueError(f"max_body_bytes_in_flight must be >= the largest body ({S.MAX_BODY_BYTES})")
+        if self.feedback_token is not None:
+            S.check_token(self.feedback_token, "ServeOptions.feedback_token")
 
 
 # -- OpenAPI: the bodies are parsed by apex_bdq.serving (JSON and msgpack), documented here ---
@@ -130,15 +146,52 @@ app = FastAPI(title="apex-bdq decisions", version="1",
 
 @app.exception_handler(S.RequestError)
 async def _request_error(request: Request, e: S.RequestError):
-    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+    headers = {"WWW-Authenticate": 'Bearer realm="apex-bdq"'} if e.status == 401 else None
+    if e.status == 503:
+        headers = {"Retry-After": str(RETRY_AFTER_S)}
     return JSONResponse({"error": e.message}, status_code=e.status, headers=headers)
 
 
-def _check_length(request: Request) -> None:
-    """Refuse an oversized body before reading it."""
+RETRY_AFTER_S = 1
+
+
+class _BodyBudget:
+    """The body bytes a replica holds at once, over all requests being read."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.used = limit, 0
+
+    def take(self, n: int) -> None:
+        if self.used + n > self.limit:
+            raise S.RequestError(503, f"this replica holds {self.used:,} bytes of request bodies, its limit is "
+                                      f"{self.limit:,}: retry")
+        self.used += n
+
+    def give(self, n: int) -> None:
+        self.used -= n
+
+
+async def read_body(request: Request, budget: _BodyBudget) -> bytes:
+    """The body, read in chunks whatever the transfer encoding, refused with 413 as soon as it
+    passes MAX_BODY_BYTES (a Content-Length over it before any byte is read) and with 503 when
+    the replica's budget of body bytes in flight is spent."""
     n = request.headers.get("content-length")
-    if n is not None and n.isdigit() and int(n) > S.MAX_BODY_BYTES:
-        raise S.RequestError(413, f"body of {n} bytes is over the limit of {S.MAX_BODY_BYTES}")
+    if n is not None:
+        if not n.strip().isdigit():
+            raise S.RequestError(400, f"bad Content-Length {n[:40]!r}")
+        if int(n) > S.MAX_BODY_BYTES:
+            raise S.RequestError(413, f"body of {n} bytes is over the limit of {S.MAX_BODY_BYTES}")
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            if size + len(chunk) > S.MAX_BODY_BYTES:
+                raise S.RequestError(413, f"body over the limit of {S.MAX_BODY_BYTES} bytes")
+            budget.take(len(chunk))
+            size += len(chunk)
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        budget.give(size)
 
 
 def _timing(**ms: float) -> str:
@@ -188,6 +241,9 @@ class DecisionService:
         from concurrent.futures import ThreadPoolExecutor
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="forward")
         self.token = opts.feedback_token
+        global RETRY_AFTER_S
+        RETRY_AFTER_S = opts.retry_after_s
+        self._bodies = _BodyBudget(opts.max_body_bytes_in_flight)
         self._pref = None
         self.served = 0
         self._inflight = 0
@@ -241,8 +297,7 @@ class DecisionService:
     async def _decide_http(self, request: Request) -> Response:
         t0 = time.perf_counter()
         mt = S.media_type(request.headers.get("content-type"))
-        _check_length(request)
-        doc = S.decode_body(await request.body(), mt)
+        doc = S.decode_body(await read_body(request, self._bodies), mt)
         macro, micro, include_q = S.parse_decide(doc, self.holder.cfg)
         t1 = time.perf_counter()
         actions, q, version, queue_ms, model_ms, batch = await self._decide(macro, micro)
@@ -283,11 +338,11 @@ class DecisionService:
     # -- feedback ------------------------------------------------------------------------------
     def _authorise(self, request: Request) -> None:
         if not self.token:
-            raise S.RequestError(403, "feedback is disabled on this server: start it with --feedback-token or "
-                                      "APEX_BDQ_FEEDBACK_TOKEN")
+            raise S.RequestError(403, "this route is disabled on this server: start it with a token "
+                                      f"(${S.TOKEN_FILE_ENV} or --token-file, or ${S.TOKEN_ENV})")
         auth = request.headers.get("authorization", "")
         if not auth.lower().startswith("bearer ") or not auth[7:].strip():
-            raise S.RequestError(401, "feedback needs 'Authorization: Bearer <token>'")
+            raise S.RequestError(401, "this route needs 'Authorization: Bearer <token>'")
         import hmac
         if not hmac.compare_digest(auth[7:].strip().encode(), self.token.encode()):
             raise S.RequestError(403, "wrong feedback token")
@@ -310,8 +365,8 @@ class DecisionService:
         from apex_bdq.preference import FeedbackError, UnknownSegment
         self._authorise(request)
         mt = S.media_type(request.headers.get("content-type"))
-        _check_length(request)
-        pairs, segments = S.parse_feedback(S.decode_body(await request.body(), mt), self.holder.cfg)
+        pairs, segments = S.parse_feedback(S.decode_body(await read_body(request, self._bodies), mt),
+                                           self.holder.cfg)
         actor = self._preference_actor()
         try:
             results = await asyncio.wait_for(actor.rank_many.remote(pairs, segments, "http"), FEEDBACK_TIMEOUT_S)
@@ -332,12 +387,22 @@ class DecisionService:
         return JSONResponse({"results": results, "accepted": results.count("accepted"),
                              "duplicates": results.count("duplicate")})
 
-    @app.get("/healthz", summary="Liveness, policy version and source")
+    @app.get("/healthz", summary="ok and the policy version (no token; the details are in /v1/status)")
     async def healthz(self) -> dict:
+        return {"status": "ok", "version": self.holder.policy.version}
+
+    @app.get("/v1/status", summary="Policy source, swaps, reload errors, guard counts, limits; needs a bearer token")
+    async def status_http(self, request: Request) -> dict:
         from ray.serve._private import constants as serve_constants
+        self._authorise(request)
         p = self.holder.policy
-        return {"status": "ok", "version": p.version, "source": p.source, "loaded_at": p.loaded_at,
+        return {"status": "ok", "version": p.version, "source": p.source, "loaded_at": p.loaded_at, "pid": os.getpid(),
                 "swaps": self.holder.swaps, "last_reload_error": self.holder.last_error,
+                "limits": {"max_body_bytes": S.MAX_BODY_BYTES, "max_values": S.MAX_ELEMENTS,
+                           "max_shards": S.MAX_SHARDS, "max_pairs": S.MAX_PAIRS, "max_segments": S.MAX_SEGMENTS,
+                           "max_ongoing_requests": self.opts.max_ongoing_requests,
+                           "max_queued_requests": self.opts.max_queued_requests,
+                           "max_body_bytes_in_flight": self.opts.max_body_bytes_in_flight},
                 "batching": {"enabled": self.opts.batching, "max_batch_shards": self.opts.max_batch_shards,
                              "batch_wait_s": self.opts.batch_wait_s},
                 "branches": list(self.branches), "shards_served": self.served,
@@ -358,8 +423,11 @@ class DecisionService:
 
 
 def build_app(opts: ServeOptions):
+    from ray.serve.config import BackpressureConfig
     return serve.deployment(name=DEPLOYMENT_NAME, num_replicas=opts.replicas,
                             max_ongoing_requests=opts.max_ongoing_requests,
+                            max_queued_requests=opts.max_queued_requests,
+                            backpressure_config=BackpressureConfig(status_code=503, retry_after_s=opts.retry_after_s),
                             ray_actor_options={"num_cpus": opts.replica_cpus, "runtime_env": {"env_vars": {
                                 "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1" if opts.user_code_thread else "0"}}},
                             )(DecisionService).bind(opts)
@@ -383,7 +451,7 @@ def ensure_preference_actor(net_cfg, log_path: str):
     return actor, True
 
 
-def start(opts: ServeOptions, port: int = 8000, host: str = "0.0.0.0", blocking: bool = False):
+def start(opts: ServeOptions, port: int = 8000, host: str = "127.0.0.1", blocking: bool = False):
     """Deploy on the connected Ray cluster; returns the deployment handle."""
     serve.start(http_options={"host": host, "port": port})
     return serve.run(build_app(opts), name=APP_NAME, route_prefix="/", blocking=blocking,

@@ -16,8 +16,10 @@ message naming the field.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -29,6 +31,7 @@ import torch
 
 from apex_bdq.networks import BDQNetwork, NetConfig
 
+log = logging.getLogger("apex_bdq.serving")
 JSON = "application/json"
 MSGPACK = "application/msgpack"
 MSGPACK_TYPES = (MSGPACK, "application/x-msgpack", "application/vnd.msgpack")
@@ -37,7 +40,25 @@ FEEDBACK_FIELDS = ("pairs", "segments")
 PAIR_FIELDS = ("a", "b", "label")
 SEGMENT_FIELDS = ("id", "macro", "micro", "action", "metrics", "source")
 MAX_BODY_BYTES = 64 << 20
+"""The largest body read; past it 413, while streaming, whatever the transfer encoding."""
+MAX_ELEMENTS = 1 << 20
+"""Values (numbers, strings, containers) a body may decode into: JSON and msgpack nested lists
+cost 20-60 bytes of Python objects per value, so this bounds a request's memory (~60 MB)
+before any field is checked. A packed msgpack array (bytes) counts as one value: send large
+batches that way."""
 MAX_SHARDS = 65536
+MAX_STR = 4096
+"""Longest string in a msgpack body (ids, keys, dtypes, sources)."""
+MAX_MAP = 64
+"""Most keys in one msgpack map."""
+MAX_ID = 64
+"""Longest segment id accepted."""
+MAX_PAIRS = 256
+"""Ranked pairs per /v1/feedback request."""
+MAX_SEGMENTS = 64
+"""Inline segments per /v1/feedback request."""
+MAX_SEGMENT_DECISIONS = 1024
+"""Decisions (T) per inline segment."""
 LABELS = {1.0: 1.0, 0.0: 0.0, 0.5: 0.5, "a": 1.0, "b": 0.0, "tie": 0.5}
 
 
@@ -56,7 +77,20 @@ def media_type(content_type: Optional[str]) -> str:
     return (content_type or JSON).split(";", 1)[0].strip().lower() or JSON
 
 
+class _TooManyValues(Exception):
+    pass
+
+
+def _too_many(n: int) -> RequestError:
+    return RequestError(413, f"body decodes into more than {MAX_ELEMENTS:,} values ({n:,} counted): send large "
+                             "batches as msgpack packed arrays ({dtype, shape, data})")
+
+
 def decode_body(body: bytes, content_type: Optional[str]) -> Any:
+    """Decode a JSON or msgpack body with its memory bounded before anything is allocated:
+    the size, then the number of values it can decode into (JSON: counted on the bytes; msgpack:
+    counted while decoding, with msgpack's own limits on string, binary, array and map lengths;
+    extension types refused)."""
     mt = media_type(content_type)
     if len(body) > MAX_BODY_BYTES:
         raise RequestError(413, f"body of {len(body)} bytes is over the limit of {MAX_BODY_BYTES}")
@@ -64,16 +98,34 @@ def decode_body(body: bytes, content_type: Optional[str]) -> Any:
         raise RequestError(400, "empty body: expected a JSON or msgpack object")
     if mt == JSON:
         import orjson
+        # every JSON value but the first of a container follows a comma; containers open with [ or {
+        n = body.count(b",") + body.count(b"[") + body.count(b"{")
+        if n > MAX_ELEMENTS:
+            raise _too_many(n)
         try:
             return orjson.loads(body)
         except orjson.JSONDecodeError as e:
             raise RequestError(400, f"body is not valid JSON ({e}); NaN and Infinity are not JSON numbers") from None
     if mt in MSGPACK_TYPES:
         import msgpack
+        budget = [MAX_ELEMENTS]
+
+        def count(x):  # called for every array and map once built: the budget ends the decode early
+            budget[0] -= len(x) + 1
+            if budget[0] < 0:
+                raise _TooManyValues()
+            return x
+
         try:
-            return msgpack.unpackb(body, raw=False, strict_map_key=True)
+            return msgpack.unpackb(body, raw=False, strict_map_key=True, list_hook=count, object_hook=count,
+                                   max_str_len=MAX_STR, max_bin_len=MAX_BODY_BYTES, max_array_len=MAX_SHARDS,
+                                   max_map_len=MAX_MAP, max_ext_len=0)
+        except _TooManyValues:
+            raise _too_many(MAX_ELEMENTS - budget[0]) from None
         except Exception as e:  # msgpack raises several unrelated types on bad input
-            raise RequestError(400, f"body is not valid msgpack: {type(e).__name__}: {e}") from None
+            raise RequestError(400, f"body is not valid msgpack (or over its limits: strings {MAX_STR}, arrays "
+                                    f"{MAX_SHARDS}, maps {MAX_MAP}, no extension types): "
+                                    f"{type(e).__name__}: {str(e)[:200]}") from None
     raise RequestError(415, f"content type {mt!r} is not supported: send {JSON} or {MSGPACK}")
 
 
@@ -91,6 +143,7 @@ def pack_array(a: np.ndarray) -> dict:
 
 
 MAX_DIMS = 8
+_PACKED_DTYPE = re.compile(r"[<>|=]?[fiu][1248]")
 
 
 def _as_array(doc: dict, name: str, dtype, where: str = "") -> np.ndarray:
@@ -109,21 +162,26 @@ def _as_array(doc: dict, name: str, dtype, where: str = "") -> np.ndarray:
             raise RequestError(422, f"{label}: a packed array has exactly the keys dtype, shape, data; got {sorted(v)}")
         shape = v["shape"]
         if (not isinstance(shape, list) or len(shape) > MAX_DIMS
-                or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shape)):
-            raise RequestError(422, f"{label}: packed shape must be a list of at most {MAX_DIMS} sizes >= 0, "
-                                    f"got {str(shape)[:80]}")
-        try:
-            dt = np.dtype(v["dtype"])
-        except (TypeError, ValueError) as e:
-            raise RequestError(422, f"{label}: bad packed dtype {str(v['dtype'])[:40]!r}: {e}") from None
+                or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= MAX_BODY_BYTES
+                           for x in shape)):
+            raise RequestError(422, f"{label}: packed shape must be a list of at most {MAX_DIMS} sizes in "
+                                    f"0..{MAX_BODY_BYTES}, got {str(shape)[:80]}")
+        code = v["dtype"]
+        if not isinstance(code, str) or not _PACKED_DTYPE.fullmatch(code):
+            raise RequestError(422, f"{label}: packed dtype must be a numpy type string like '<f4', '<f8', '<i8' "
+                                    f"(byte order, kind f/i/u, size 1/2/4/8), got {str(code)[:40]!r}")
+        dt = np.dtype(code)
         if dt.kind not in kinds or not isinstance(v["data"], (bytes, bytearray)):
             raise RequestError(422, f"{label}: packed array must hold {want} as bytes, got dtype {dt.str}")
         n = math.prod(shape)
         if n * dt.itemsize != len(v["data"]):
             raise RequestError(422, f"{label}: packed data has {len(v['data'])} bytes, shape {list(shape)} of "
                                     f"{dt.str} needs {n * dt.itemsize}")
-        with np.errstate(over="ignore"):  # float64 beyond float32 -> inf, refused later as not finite
-            return np.frombuffer(v["data"], dtype=dt).reshape(shape).astype(dtype, copy=False)
+        try:
+            with np.errstate(over="ignore"):  # float64 beyond float32 -> inf, refused later as not finite
+                return np.frombuffer(v["data"], dtype=dt).reshape(shape).astype(dtype, copy=False)
+        except ValueError as e:  # what numpy refuses beyond the checks above
+            raise RequestError(422, f"{label}: packed shape {list(shape)}: {e}") from None
     if not isinstance(v, list):
         raise RequestError(422, f"{label} must be an array (nested lists), got {type(v).__name__}")
     try:
@@ -216,12 +274,22 @@ def parse_feedback(doc: Any, cfg: NetConfig) -> tuple[list[dict], list]:
     pairs = doc.get("pairs")
     if not isinstance(pairs, list) or not pairs:
         raise RequestError(422, "field 'pairs' must be a non-empty list of {a, b, label}")
+    if len(pairs) > MAX_PAIRS:
+        raise RequestError(413, f"{len(pairs)} pairs in one request; at most {MAX_PAIRS}: split it")
+    raw = doc.get("segments", [])
+    if not isinstance(raw, list):
+        raise RequestError(422, "field 'segments' must be a list")
+    if len(raw) > MAX_SEGMENTS:
+        raise RequestError(413, f"{len(raw)} segments in one request; at most {MAX_SEGMENTS}: split it")
     out = []
     for i, p in enumerate(pairs):
         _unknown(p, PAIR_FIELDS, f"pairs[{i}]")
         a, b, label = p.get("a"), p.get("b"), p.get("label", 1.0)
         if not isinstance(a, str) or not isinstance(b, str) or not a or not b:
-            raise RequestError(422, f"pairs[{i}]: a and b must be segment ids (strings), got a={a!r} b={b!r}")
+            raise RequestError(422, f"pairs[{i}]: a and b must be segment ids (strings), got a={str(a)[:80]!r} "
+                                    f"b={str(b)[:80]!r}")
+        if len(a) > MAX_ID or len(b) > MAX_ID:
+            raise RequestError(422, f"pairs[{i}]: segment ids are at most {MAX_ID} characters")
         key = label if isinstance(label, str) else (float(label) if isinstance(label, (int, float))
                                                      and not isinstance(label, bool) else None)
         if key not in LABELS:
@@ -229,20 +297,23 @@ def parse_feedback(doc: Any, cfg: NetConfig) -> tuple[list[dict], list]:
                                     f"'a' / 'b' / 'tie', got {label!r}")
         out.append({"a": a, "b": b, "label": LABELS[key]})
     segments = []
-    raw = doc.get("segments", [])
-    if not isinstance(raw, list):
-        raise RequestError(422, "field 'segments' must be a list")
     for i, s in enumerate(raw):
         where = f"segments[{i}]."
         _unknown(s, SEGMENT_FIELDS, f"segments[{i}]")
+        sid, source = s.get("id"), s.get("source", "http")
+        if not isinstance(sid, str) or not 0 < len(sid) <= MAX_ID:
+            raise RequestError(422, f"{where}id must be a string of 1..{MAX_ID} characters, got {str(sid)[:80]!r}")
+        if not isinstance(source, str) or len(source) > MAX_ID:
+            raise RequestError(422, f"{where}source must be a string of at most {MAX_ID} characters")
         metrics = s.get("metrics")
         if not isinstance(metrics, dict) or not all(isinstance(metrics.get(m), (int, float)) for m in PREFERENCE_METRICS):
             raise RequestError(422, f"{where}metrics must be an object with numbers {list(PREFERENCE_METRICS)}")
-        seg = Segment(id=s.get("id") if isinstance(s.get("id"), str) else "",
-                      macro=_as_array(s, "macro", np.float32, where), micro=_as_array(s, "micro", np.float32, where),
-                      action=_as_array(s, "action", np.int64, where),
-                      metrics={m: float(metrics[m]) for m in PREFERENCE_METRICS},
-                      source=str(s.get("source", "http")))
+        seg = Segment(id=sid, macro=_as_array(s, "macro", np.float32, where),
+                      micro=_as_array(s, "micro", np.float32, where), action=_as_array(s, "action", np.int64, where),
+                      metrics={m: float(metrics[m]) for m in PREFERENCE_METRICS}, source=source)
+        if seg.macro.ndim >= 1 and seg.macro.shape[0] > MAX_SEGMENT_DECISIONS:
+            raise RequestError(413, f"{where}macro: {seg.macro.shape[0]} decisions; at most {MAX_SEGMENT_DECISIONS} "
+                                    "per segment")
         try:
             seg.check(cfg.macro_features, (cfg.num_classes, cfg.history, cfg.micro_features), cfg.num_branches,
                       cfg.sub_actions)
@@ -347,10 +418,12 @@ class PolicyHolder:
         diffs = [f for f in NetConfig.SHAPE_FIELDS if getattr(new.net.cfg, f) != getattr(old.net.cfg, f)]
         if diffs:
             self.last_error = f"{new.source} v{new.version} refused: shapes differ in {diffs}"
+            log.warning("policy reload: %s", self.last_error)
             return False
         self.policy = new  # one reference assignment: requests in flight keep the old object
         self.swaps += 1
         self.last_error = None
+        log.info("policy v%d from %s swapped in (swap %d)", new.version, new.source, self.swaps)
         return True
 
     def _loop(self, poll: Callable[[], Optional[Policy]], every_s: float) -> None:
@@ -359,8 +432,9 @@ class PolicyHolder:
                 new = poll()
                 if new is not None:
                     self.swap(new)
-            except Exception as e:  # keep serving the current version; say why the new one failed
+            except Exception as e:  # keep serving the current version; say why (in the log) the new one failed
                 self.last_error = f"{type(e).__name__}: {e}"
+                log.warning("policy reload failed, still serving v%d: %s", self.policy.version, self.last_error)
 
     def _start(self, poll: Callable[[], Optional[Policy]], every_s: float) -> None:
         self._thread = threading.Thread(target=self._loop, args=(poll, every_s), name="policy-reload", daemon=True)
@@ -403,7 +477,34 @@ class PolicyHolder:
         self._stop.set()
 
 
-def env_token(explicit: Optional[str], var: str = "APEX_BDQ_FEEDBACK_TOKEN") -> Optional[str]:
-    """The feedback bearer token: the configured one, else the environment variable."""
-    tok = explicit if explicit else os.environ.get(var)
-    return tok or None
+TOKEN_ENV = "APEX_BDQ_FEEDBACK_TOKEN"
+TOKEN_FILE_ENV = "APEX_BDQ_FEEDBACK_TOKEN_FILE"
+MIN_TOKEN_CHARS = 16
+
+
+def check_token(token: str, where: str) -> str:
+    token = token.strip()
+    if len(token) < MIN_TOKEN_CHARS or any(c.isspace() for c in token):
+        raise ValueError(f"the service token from {where} must be at least {MIN_TOKEN_CHARS} characters without "
+                         f"spaces (got {len(token)}); make one with `openssl rand -hex 32`")
+    return token
+
+
+def load_token(path: Optional[str] = None) -> Optional[str]:
+    """The bearer token for /v1/feedback and /v1/status, never from the command line (which
+    other users see in `ps`): the file `path` (or $APEX_BDQ_FEEDBACK_TOKEN_FILE), which must be
+    readable by its owner only, else $APEX_BDQ_FEEDBACK_TOKEN. None: no token, those routes
+    refuse everything. A token shorter than MIN_TOKEN_CHARS is refused (ValueError)."""
+    path = path or os.environ.get(TOKEN_FILE_ENV)
+    if path:
+        try:
+            st = os.stat(path)
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ValueError(f"service token file {path!r}: {e.strerror or e}") from None
+        if st.st_mode & 0o077:
+            raise ValueError(f"service token file {path!r} is readable by others (mode {st.st_mode & 0o777:o}): "
+                             f"chmod 600 it")
+        return check_token(text, f"file {path!r}")
+    tok = os.environ.get(TOKEN_ENV)
+    return check_token(tok, f"${TOKEN_ENV}") if tok else None

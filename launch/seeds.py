@@ -6,7 +6,7 @@ held-out days with the yardstick.
         [--name NAME] [--max-concurrent C] [--num-actors A] [--quiet]
 
 Every seed is one Ape-X run (`launch.train`'s, with `--seed`) at the preset's budget in
-learner updates (`--updates` overrides it; `--minutes` caps the wall time), trials one after
+learner updates (`--updates` overrides it; `--minutes` caps the wall time, 3x the preset's by default), trials one after
 another by default (on 2 cores two would slow each other down and change nothing else).
 No evaluation runs while a trial trains; at its end the policy is evaluated on the held-out
 days under its guard and without it, and judged against the rules' frontiers and the oracle
@@ -79,7 +79,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--seeds", type=int, default=5, help="seeds 0..K-1 (default 5)")
     ap.add_argument("--seed-list", help="these seeds instead, comma-separated")
     ap.add_argument("--updates", type=int, help="budget in learner updates per seed (default: the preset's)")
-    ap.add_argument("--minutes", type=float, help="wall-clock cap per seed (default: the preset's)")
+    ap.add_argument("--minutes", type=float,
+                    help="wall-clock cap per seed (default: 3x the preset's: the budget is in updates, and this "
+                         "machine's speed drifts up to 3x between days; the cap only stops a stuck trial)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override of every seed")
     ap.add_argument("--trace", help="CSV trace (default: the bundled one)")
     ap.add_argument("--target-gap", type=float, default=0.5, help="share of the oracle gap a seed must close")
@@ -110,7 +112,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if (a.minutes is not None and a.minutes <= 0) or a.max_concurrent < 1:
             raise ConfigError("--minutes and --max-concurrent must be > 0")
         fixed = {"preset": a.preset, "overrides": list(a.set), "trace": os.path.abspath(a.trace) if a.trace else None,
-                 "seed": None, "minutes": a.minutes if a.minutes is not None else base.minutes,
+                 "seed": None, "minutes": a.minutes if a.minutes is not None else 3 * base.minutes,
                  "updates": a.updates if a.updates is not None else base.updates, "eval_every_s": 1e9,
                  "max_reports": 1, "num_actors": a.num_actors, "num_learners": a.num_learners,
                  "backend": a.backend, "num_replay_shards": 1, "trial_cpus": a.trial_cpus,

@@ -183,7 +183,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     g.add_argument("--checkpoint-every", type=float, metavar="S",
                    help=f"seconds between learner checkpoints (each copied to --checkpoint as it lands; default: "
                         f"{CL.checkpoint_every_s:g})")
-    g.add_argument("--storage-path", help="Ray Train storage (checkpoints); default: a temp dir")
+    g.add_argument("--storage-path", help="Ray Train storage (checkpoints): a folder or s3:// / gs:// URI; "
+                   "default: a temp dir (refused on a multi-node cluster, which needs shared storage)")
     g.add_argument("--no-dashboard", action="store_true",
                    help="start the local cluster without the Ray dashboard (saves ~1 s and ~100 MB; Ray Train's "
                         "state queries then fail and log warnings)")
@@ -235,8 +236,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             if a.use_gpu:  # replay storage on the GPU too, a quarter of one per shard unless set
                 given.update(use_gpu=True, replay_gpus=cfg.cluster.replay_gpus or 0.25)
             for attr, field in (("storage_path", "storage_path"), ("checkpoint", "checkpoint_path")):
-                if getattr(a, attr):
-                    given[field] = os.path.abspath(getattr(a, attr))
+                v = getattr(a, attr)
+                if v:  # a URI (s3://, gs://) is storage as it is, not a path under the working folder
+                    given[field] = v if "://" in v else os.path.abspath(v)
             spec = cfg.cluster.replace(**given)
             cfg = dataclasses.replace(cfg, cluster=spec)
     except (ConfigError, TraceError, CheckpointError) as e:

@@ -2,6 +2,7 @@
 ingress, as a user starts it) answering over HTTP, and, in-process, a deployment that follows
 a weight store through a deployment handle."""
 
+import contextlib
 import dataclasses
 import http.client
 import json
@@ -28,7 +29,7 @@ from apex_bdq.preference import PREFERENCE_METRICS, load_log
 ROOT = Path(__file__).resolve().parents[1]
 CFG = TrainConfig()
 NET = NetConfig.for_sim(CFG.sim)
-TOKEN = "test-token-123"
+TOKEN = "test-token-0123456789abcdef"
 
 
 def write_checkpoint(path: Path, version: int, seed: int) -> BDQNetwork:
@@ -62,19 +63,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    d = tmp_path_factory.mktemp("serve")
+@contextlib.contextmanager
+def serving(d: Path, *args: str):
+    """`python -m launch.serve` in a subprocess, as a user starts it (HAProxy ingress, its own
+    local Ray), until it answers /healthz."""
     ck, log = d / "policy.pt", d / "feedback.log"
     nets = {7: write_checkpoint(ck, 7, seed=1)}
-    port = free_port()
+    port, stats_port, metrics_port = free_port(), free_port(), free_port()
     env = dict(os.environ, RAY_AUTH_MODE="disabled", APEX_BDQ_FEEDBACK_TOKEN=TOKEN, PYTHONUNBUFFERED="1",
                # HAProxy's stats and metrics listeners (8404, 9101 by default) must not collide with a
                # Serve already running on this machine
-               RAY_SERVE_HAPROXY_STATS_PORT=str(free_port()), RAY_SERVE_HAPROXY_METRICS_PORT=str(free_port()))
+               RAY_SERVE_HAPROXY_STATS_PORT=str(stats_port), RAY_SERVE_HAPROXY_METRICS_PORT=str(metrics_port))
     out = open(d / "serve.out", "w")
     proc = subprocess.Popen([sys.executable, "-m", "launch.serve", "--checkpoint", str(ck), "--port", str(port),
-                             "--replica-cpus", "0.5", "--reload-s", "0.5", "--feedback-log", str(log)],
+                             "--replica-cpus", "0.5", "--reload-s", "0.5", "--feedback-log", str(log), *args],
                             cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     client = DecisionClient(url)
@@ -87,7 +89,8 @@ def server(tmp_path_factory):
         wait_for(up, 180, "launch.serve to answer /healthz", interval=0.5,
                  ignore=(OSError, ServiceError, http.client.HTTPException),
                  detail=lambda: (d / "serve.out").read_text()[-3000:])
-        yield {"url": url, "ck": ck, "log": log, "nets": nets, "proc": proc, "dir": d}
+        yield {"url": url, "ck": ck, "log": log, "nets": nets, "proc": proc, "dir": d, "port": port,
+               "stats_port": stats_port, "metrics_port": metrics_port}
     finally:
         client.close()
         proc.send_signal(signal.SIGINT)  # the CLI shuts Serve down and its Ray with it
@@ -96,6 +99,12 @@ def server(tmp_path_factory):
         except subprocess.TimeoutExpired:
             proc.kill()
         out.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with serving(tmp_path_factory.mktemp("serve")) as s:
+        yield s
 
 
 def post(url: str, body: bytes, content_type: str = "application/json", headers=None):
@@ -123,7 +132,9 @@ def test_decide_over_json_and_msgpack_matches_the_checkpoint(server):
         d1 = c.decide(macro[0], micro[0])
         np.testing.assert_allclose(d1.q[0], want_q[0], rtol=1e-5, atol=1e-5)
         assert c.decide(macro, micro, include_q=False).q is None
-        h = c.healthz()
+        assert c.healthz() == {"status": "ok", "version": 7}  # nothing else without a token
+    with DecisionClient(server["url"], token=TOKEN) as c:
+        h = c.status()
         assert h["version"] == 7 and h["batching"]["enabled"] and h["net"]["macro_features"] == NET.macro_features
         g = h["guard"]  # the replica's own count of what its guard did
         assert g["decisions"] >= 11 and 0 <= g["clipped"] + g["fallback"] <= g["decisions"]
@@ -191,6 +202,8 @@ def test_feedback_needs_the_token_and_lands_durably(server):
         st, _, raw = c.request("POST", "/v1/feedback", b'{"pairs": [{"a": "x", "b": "y"}]}',
                                headers={"Authorization": "Bearer wrong"})
         assert st == 403 and "wrong feedback token" in json.loads(raw)["error"]
+        st, hdr, raw = c.request("GET", "/v1/status")
+        assert st == 401 and hdr.get("www-authenticate", "").startswith("Bearer")
     segs = [_segment("seg-a", 1), _segment("seg-b", 2), _segment("seg-c", 3)]
     with DecisionClient(url, token=TOKEN) as c:
         r = c.feedback([("seg-a", "seg-b", 1.0), {"a": "seg-c", "b": "seg-b", "label": "tie"}], segments=segs)
@@ -253,8 +266,8 @@ def test_a_new_checkpoint_is_swapped_in_without_dropping_requests(server):
         assert versions == sorted(versions)
     want = guarded(macro, q_of(new, macro, micro))
     assert all(np.array_equal(a, want) for v, a in seen if v == v0 + 1)
-    with DecisionClient(url) as c:
-        h = c.healthz()
+    with DecisionClient(url, token=TOKEN) as c:
+        h = c.status()
     assert h["swaps"] >= 1 and h["last_reload_error"] is None
 
 
@@ -286,14 +299,14 @@ def test_handle_path_follows_a_weight_store(own_ray_cluster, tmp_path):
         net3, net5 = BDQNetwork(NET).eval(), BDQNetwork(NET).eval()
         ray.get(store.put.remote(3, state_to_numpy(net3)))
         port = free_port()
-        handle = start(ServeOptions(follow=True, replica_cpus=0.5, reload_s=0.3, feedback_token="t"), port=port)
+        handle = start(ServeOptions(follow=True, replica_cpus=0.5, reload_s=0.3, feedback_token=TOKEN), port=port)
         macro, micro = obs(4, seed=11)
         r = handle.decide.remote(macro, micro).result()
         assert r["version"] == 3
-        with DecisionClient(f"http://127.0.0.1:{port}", token="t") as c:  # Serve's own proxy here
-            h = wait_for(c.healthz, 30, "Serve's proxy to answer /healthz", interval=0.3,
-                         ignore=(OSError, ServiceError, http.client.HTTPException))
-            assert h["source"] == "weight-store"
+        with DecisionClient(f"http://127.0.0.1:{port}", token=TOKEN) as c:  # Serve's own proxy here
+            wait_for(c.healthz, 30, "Serve's proxy to answer /healthz", interval=0.3,
+                     ignore=(OSError, ServiceError, http.client.HTTPException))
+            assert c.status()["source"] == "weight-store"
             with pytest.raises(ServiceError) as e:  # no training run with preferences on this cluster
                 c.feedback([("a", "b", 1.0)])
             assert e.value.status == 503 and "no preference actor" in e.value.message
@@ -453,3 +466,117 @@ def test_the_served_policy_decides_under_its_guard_and_counts(tmp_path):
     np.testing.assert_array_equal(a, want)
     assert p.guard_counts == {"decisions": 6, "clipped": int(clipped.sum()), "fallback": int(back.sum()),
                               "admission_capped": int(capped.sum())}
+
+
+def _replica_rss_mb(url: str) -> float:
+    import psutil
+    with DecisionClient(url, token=TOKEN) as c:
+        return psutil.Process(c.status()["pid"]).memory_info().rss / 2 ** 20
+
+
+def _send_chunked(url: str, path: str, total: int, chunk: int = 1 << 20) -> int:
+    """POST `total` bytes with Transfer-Encoding: chunked (no Content-Length); the status, or 0
+    when the server closed the connection after refusing (it may not wait for the rest)."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        conn.putrequest("POST", path)
+        conn.putheader("Content-Type", "application/msgpack")
+        conn.putheader("Transfer-Encoding", "chunked")
+        conn.endheaders()
+        block = b"\x00" * chunk
+        try:
+            for _ in range(total // chunk):
+                conn.send(b"%x\r\n" % chunk + block + b"\r\n")
+            conn.send(b"0\r\n\r\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        try:
+            return conn.getresponse().status
+        except (http.client.HTTPException, ConnectionResetError, BrokenPipeError):
+            return 0
+    finally:
+        conn.close()
+
+
+@pytest.mark.ray
+def test_hostile_bodies_get_a_4xx_and_leave_the_replica_memory_bounded(server):
+    """The issue's cases over live HTTP: a chunked 96 MiB body without Content-Length, 4 MB of
+    msgpack empty arrays, 12 MB of JSON empty arrays, a packed shape [0, 2**63-1], dtype null,
+    300 feedback pairs: every answer a 4xx, the replica's RSS bounded, the service still fine."""
+    url = server["url"]
+    micro = np.zeros((1, NET.num_classes, NET.history, NET.micro_features), np.float32).tolist()
+    before = _replica_rss_mb(url)
+    status = _send_chunked(url, "/v1/decide", 96 << 20)
+    assert status in (413, 0), status  # 0: refused and the connection closed mid-upload
+    cases = [
+        ("/v1/decide", msgpack.packb([[[] for _ in range(65536)] for _ in range(64)]), "application/msgpack", 413),
+        ("/v1/decide", b"[" + b"[]," * (4 << 20) + b"[]]", "application/json", 413),
+        ("/v1/decide", msgpack.packb({"macro": {"dtype": "<f4", "shape": [0, 2 ** 63 - 1], "data": b""},
+                                      "micro": micro}, use_bin_type=True), "application/msgpack", 422),
+        ("/v1/decide", msgpack.packb({"macro": {"dtype": None, "shape": [1, NET.macro_features],
+                                                "data": b"\0" * 8 * NET.macro_features}, "micro": micro},
+                                     use_bin_type=True), "application/msgpack", 422),
+        ("/v1/feedback", json.dumps({"pairs": [{"a": f"s{i}", "b": f"t{i}"} for i in range(300)]}).encode(),
+         "application/json", 413),
+    ]
+    with DecisionClient(url) as c:
+        for path, body, ct, want in cases:
+            st, _, raw = c.request("POST", path, body, ct, {"Authorization": f"Bearer {TOKEN}"})
+            assert st == want, (path, want, st, raw[:200])
+        st, _, _ = c.request("POST", "/v1/decide", b"{}", "application/json", {"Content-Length": "abc"})
+        assert 400 <= st < 500
+    grown = _replica_rss_mb(url) - before
+    assert grown < 300, f"the replica grew by {grown:.0f} MB"
+    macro, m = obs(2, seed=7)
+    with DecisionClient(url) as c:
+        assert c.decide(macro, m).actions.shape == (2, NET.num_branches)
+
+
+@pytest.mark.ray
+def test_the_service_and_haproxy_listen_on_loopback_and_the_admin_socket_is_private(server):
+    import psutil
+    from apex_bdq.haproxy_ingress import private_folder
+    ports = {server["port"]: "service", server["stats_port"]: "HAProxy stats", server["metrics_port"]: "exporter"}
+    listening = {}
+    for c in psutil.net_connections(kind="tcp"):
+        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port in ports:
+            listening.setdefault(ports[c.laddr.port], set()).add(c.laddr.ip)
+    assert set(listening) == set(ports.values()), listening  # all three are up ...
+    assert all(ips == {"127.0.0.1"} for ips in listening.values()), listening  # ... on loopback only
+    d = private_folder(server["port"])
+    assert (d.stat().st_mode & 0o777) == 0o700 and (d.parent.stat().st_mode & 0o777) == 0o700
+    sock = d / "admin.sock"
+    assert sock.exists() and (sock.stat().st_mode & 0o777) == 0o600
+    assert "mode 600" in (d / "haproxy.cfg").read_text()
+
+
+@pytest.mark.ray
+def test_past_the_queue_limit_requests_get_503_with_retry_after(tmp_path):
+    """One request at a time and one queued: a burst of slow requests gets 200s and 503s with
+    Retry-After, nothing else."""
+    with serving(tmp_path, "--max-ongoing", "1", "--max-queued", "1", "--no-batching") as s:
+        rng = np.random.default_rng(0)
+        big = 8192
+        body = msgpack.packb({
+            "macro": {"dtype": "<f4", "shape": [big, NET.macro_features],
+                      "data": rng.random((big, NET.macro_features), dtype=np.float32).tobytes()},
+            "micro": {"dtype": "<f4", "shape": [big, NET.num_classes, NET.history, NET.micro_features],
+                      "data": rng.random((big, NET.num_classes, NET.history, NET.micro_features),
+                                         dtype=np.float32).tobytes()}, "include_q": False}, use_bin_type=True)
+        answers = []
+
+        def one():
+            with DecisionClient(s["url"]) as c:
+                st, h, _ = c.request("POST", "/v1/decide", body, "application/msgpack", retry=False)
+                answers.append((st, h.get("retry-after")))
+
+        threads = [threading.Thread(target=one) for _ in range(24)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        statuses = sorted({a for a, _ in answers})
+        assert len(answers) == 24 and set(statuses) <= {200, 503}, answers
+        assert 200 in statuses and 503 in statuses, answers
+        assert all(r is not None and int(r) >= 1 for st, r in answers if st == 503), answers

