@@ -16,3 +16,13 @@ def answers(refs: list, timeout_s: float) -> list:
         except ray.exceptions.RayActorError:
             out.append(None)
     return out
+
+
+def ray_auth_default() -> str:
+    """Ray token authentication on unless the user chose otherwise (set before Ray starts or
+    connects): `RAY_AUTH_MODE=token`. A local cluster that `ray.init` starts makes its own token
+    (~/.ray/auth_token, unless RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH names one); a cluster
+    started with `ray start` / `ray up` needs the same token on every node and every client
+    (README, "Run on a cluster"). `RAY_AUTH_MODE=disabled` turns it off."""
+    import os
+    return os.environ.setdefault("RAY_AUTH_MODE", "token")

@@ -21,7 +21,6 @@ Exit status 0 when every kill was recovered from and no feedback was lost, else 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Optional
 
@@ -60,7 +59,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--workdir", help="checkpoints, replay snapshots, feedback log (default: a temp dir)")
     ap.add_argument("--address", help="an existing Ray cluster (default: start a local one)")
     a = ap.parse_args(argv)
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    from apex_bdq.ray_util import ray_auth_default
+    ray_auth_default()
     try:
         o = SoakOptions(minutes=a.minutes, kill_every_s=a.kill_every, max_kills=a.max_kills,
                         targets=tuple(t.strip() for t in a.targets.split(",") if t.strip()),

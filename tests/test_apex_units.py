@@ -155,7 +155,11 @@ def test_cluster_yaml_validates_and_declares_the_placement_resources():
     setup = " ".join(c["setup_commands"])
     assert "pip install" in setup and "apex-bdq" in setup
     head = " ".join(c["head_start_ray_commands"])
-    assert "--dashboard-host=127.0.0.1" in head and "RAY_AUTH_MODE=disabled" in head
+    workers = " ".join(c["worker_start_ray_commands"])
+    assert "--dashboard-host=127.0.0.1" in head and "RAY_AUTH_MODE=disabled" not in head + workers
+    assert "RAY_AUTH_MODE=token ~/venv/bin/ray start --head" in head  # token authentication on every node
+    assert "RAY_AUTH_MODE=token ~/venv/bin/ray start --address" in workers
+    assert c["file_mounts"]["/home/ubuntu/.ray/auth_token"] == "~/.ray/auth_token"  # the same token everywhere
 
 
 @pytest.mark.parametrize("breakage", ["typo_in_node_type", "unknown_top_level", "bad_type"])

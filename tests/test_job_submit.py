@@ -7,6 +7,7 @@ import re
 import socket
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -44,9 +45,19 @@ def _ray_current_cluster_files() -> list:
 
 
 @pytest.fixture
-def ray_head(own_ray_cluster, tmp_path):
+def ray_head(own_ray_cluster, tmp_path, monkeypatch):
+    """A head with Ray token authentication on, as cluster.yaml starts it: the token in a file
+    of mode 600 that the head and every client read (RAY_AUTH_TOKEN_PATH here, ~/.ray/auth_token
+    on a cluster)."""
+    import secrets
     port, dash, mport, agent = _free_port(), _free_port(), _free_port(), _free_port()
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_metrics_report_interval_ms": "1000"}
+    token = tmp_path / "auth_token"
+    token.write_text(secrets.token_hex(32))
+    token.chmod(0o600)
+    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
+    for k, v in auth.items():  # this process's job client too
+        monkeypatch.setenv(k, v)
+    env = {**os.environ, **auth, "RAY_metrics_report_interval_ms": "1000"}
     subprocess.run([RAY, "start", "--head", f"--port={port}", f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1",
                     f"--metrics-export-port={mport}",
                     # not the agent's default 52365: another Ray on this machine (a leftover local
@@ -55,7 +66,7 @@ def ray_head(own_ray_cluster, tmp_path):
                     "--include-dashboard=true", "--disable-usage-stats"], check=True, env=env, capture_output=True,
                    timeout=120)
     try:
-        yield {"dashboard": f"http://127.0.0.1:{dash}", "metrics_port": mport, "env": env}
+        yield {"dashboard": f"http://127.0.0.1:{dash}", "metrics_port": mport, "env": env, "token": token}
     finally:
         subprocess.run([RAY, "stop", "--force"], env=env, capture_output=True, timeout=120)
         for p in _ray_current_cluster_files():  # KNOWN.md: a stale file breaks the next ray.init(num_cpus=...)
@@ -96,6 +107,14 @@ def _submit_and_wait(ray_head, entry: str, seen: dict):
 def test_job_submit_runs_the_smoke_preset_and_exports_metrics(ray_head, tmp_path):
     from apex_bdq.checkpoint import load_checkpoint
     out_json, ck = tmp_path / "train.json", tmp_path / "ck.pt"
+    # token authentication: the dashboard and job API refuse a client without the token
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(f"{ray_head['dashboard']}/api/version", timeout=10)
+    assert e.value.code == 401
+    bare = {k: v for k, v in ray_head["env"].items() if not k.startswith("RAY_AUTH")}
+    r = subprocess.run([RAY, "job", "list", "--address", ray_head["dashboard"]], env=bare, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode != 0 and "token" in (r.stdout + r.stderr).lower()
     entry = (f"{sys.executable} -m launch.train --address auto --preset smoke --minutes 0.4 --num-actors 2 "
              f"--quiet --json {out_json} --checkpoint {ck} --storage-path {tmp_path / 'ray_train'} --resume auto")
     seen: dict = {}
