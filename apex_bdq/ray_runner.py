@@ -41,8 +41,6 @@ def local_ray_init(spec: ClusterConfig, address: Optional[str] = None, **kwargs)
     """Connect to `address`, or start a local cluster big enough (logical CPUs) for the
     components on this machine, declaring the placement resources on its one node."""
     import ray
-    from apex_bdq.ray_util import ray_auth_default
-    ray_auth_default()
     if ray.is_initialized():
         return
     if address:

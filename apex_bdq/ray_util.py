@@ -19,10 +19,16 @@ def answers(refs: list, timeout_s: float) -> list:
 
 
 def ray_auth_default() -> str:
-    """Ray token authentication on unless the user chose otherwise (set before Ray starts or
-    connects): `RAY_AUTH_MODE=token`. A local cluster that `ray.init` starts makes its own token
-    (~/.ray/auth_token, unless RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH names one); a cluster
-    started with `ray start` / `ray up` needs the same token on every node and every client
-    (README, "Run on a cluster"). `RAY_AUTH_MODE=disabled` turns it off."""
+    """Ray token authentication on unless the user chose otherwise: `RAY_AUTH_MODE=token`,
+    set for every `python -m launch.*` entry point (launch/__init__.py) before Ray is imported
+    (Ray reads it once, at import: set later, the driver and the cluster it starts would
+    disagree). A local cluster that `ray.init` starts makes its own token (~/.ray/auth_token,
+    unless RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH names one); a cluster started with `ray start`
+    / `ray up` needs the same token on every node and every client (README, "Run on a
+    cluster"). `RAY_AUTH_MODE=disabled` turns it off. Returns the mode in effect ("" when
+    Ray was imported before and the environment does not say)."""
     import os
+    import sys
+    if "ray" in sys.modules:
+        return os.environ.get("RAY_AUTH_MODE", "")
     return os.environ.setdefault("RAY_AUTH_MODE", "token")

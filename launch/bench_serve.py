@@ -187,8 +187,6 @@ INGRESS_VARIANTS = {"haproxy": ("batched", "unbatched", "replicas2", "userthread
 
 
 def worker_main(ingress: str, checkpoint: str, n: int, out: str) -> None:
-    from apex_bdq.ray_util import ray_auth_default
-    ray_auth_default()
     os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1" if ingress == "haproxy" else "0"
     import ray
     from ray import serve

@@ -136,8 +136,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     import ray
     from ray import tune
     from ray.tune.search import BasicVariantGenerator
-    from apex_bdq.ray_util import ray_auth_default
-    ray_auth_default()
     if not ray.is_initialized():
         ray.init(address="local", num_cpus=ray_cpus(fixed, a.num_actors, a.num_learners, a.max_concurrent),
                  resources={"rollout": 4.0 * a.num_actors * a.max_concurrent,

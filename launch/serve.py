@@ -81,8 +81,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from apex_bdq.ray_util import ray_auth_default
-    ray_auth_default()
     if a.address is None:
         os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1" if a.ingress == "haproxy" else "0"
         if a.ingress == "haproxy":

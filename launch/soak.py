@@ -59,8 +59,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--workdir", help="checkpoints, replay snapshots, feedback log (default: a temp dir)")
     ap.add_argument("--address", help="an existing Ray cluster (default: start a local one)")
     a = ap.parse_args(argv)
-    from apex_bdq.ray_util import ray_auth_default
-    ray_auth_default()
     try:
         o = SoakOptions(minutes=a.minutes, kill_every_s=a.kill_every, max_kills=a.max_kills,
                         targets=tuple(t.strip() for t in a.targets.split(",") if t.strip()),

@@ -143,8 +143,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler
     from ray.tune.search import BasicVariantGenerator
-    from apex_bdq.ray_util import ray_auth_default
-    ray_auth_default()
     storage = Path(a.storage).resolve()
     exp_dir = storage / a.name
     if not ray.is_initialized():

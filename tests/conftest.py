@@ -1,6 +1,11 @@
 import os
 import sys
 from pathlib import Path
+
+# In-process tests share one local Ray without token authentication, set before anything
+# imports Ray or `launch` (which would default it to token). Subprocesses that test the
+# default (launch.serve, ray job submit) are given their own environment.
+os.environ["RAY_AUTH_MODE"] = "disabled"
 from typing import Optional
 
 import numpy as np
