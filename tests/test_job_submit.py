@@ -45,7 +45,7 @@ def _ray_current_cluster_files() -> list:
 
 
 @pytest.fixture
-def ray_head(own_ray_cluster, tmp_path, monkeypatch):
+def ray_head(own_ray_cluster, tmp_path):
     """A head with Ray token authentication on, as cluster.yaml starts it: the token in a file
     of mode 600 that the head and every client read (RAY_AUTH_TOKEN_PATH here, ~/.ray/auth_token
     on a cluster)."""
@@ -55,8 +55,6 @@ def ray_head(own_ray_cluster, tmp_path, monkeypatch):
     token.write_text(secrets.token_hex(32))
     token.chmod(0o600)
     auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
-    for k, v in auth.items():  # this process's job client too
-        monkeypatch.setenv(k, v)
     env = {**os.environ, **auth, "RAY_metrics_report_interval_ms": "1000"}
     subprocess.run([RAY, "start", "--head", f"--port={port}", f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1",
                     f"--metrics-export-port={mport}",
@@ -86,7 +84,9 @@ def _submit_and_wait(ray_head, entry: str, seen: dict):
     sub = wait_for(submitted, 120, "the head's job agent to take a submission", interval=2.0)
     assert sub.returncode == 0, sub.stdout + sub.stderr
     job_id = re.search(r"raysubmit_\w+", sub.stdout + sub.stderr).group(0)
-    client = JobSubmissionClient(ray_head["dashboard"])
+    # the token as a header: this test process imported Ray without token authentication
+    client = JobSubmissionClient(ray_head["dashboard"],
+                                 headers={"Authorization": f"Bearer {ray_head['token'].read_text().strip()}"})
 
     def finished():  # scraping the metrics while the job runs
         status = client.get_job_status(job_id)

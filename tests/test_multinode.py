@@ -17,12 +17,15 @@ from apex_bdq.presets import PRESETS
 
 
 def test_filesystem_types_from_the_mount_table(tmp_path):
+    shared, bucket, other = tmp_path / "shared", tmp_path / "bucket", tmp_path / "sharedother"
+    for d in (shared, bucket, other):
+        d.mkdir()
     mounts = tmp_path / "mounts"
-    mounts.write_text("overlay / overlay rw 0 0\nserver:/export /mnt/shared nfs4 rw 0 0\n"
-                      "bucket /mnt/bucket fuse.s3fs rw 0 0\ntmpfs /tmp tmpfs rw 0 0\n")
-    assert fs_type("/mnt/shared/runs/x", str(mounts)) == "nfs4"
-    assert fs_type("/mnt/sharedother", str(mounts)) == "overlay"  # a prefix of a name is not its parent
-    assert fs_type("/mnt/bucket/a", str(mounts)) == "fuse.s3fs"
+    mounts.write_text(f"overlay / overlay rw 0 0\nserver:/export {shared} nfs4 rw 0 0\n"
+                      f"bucket {bucket} fuse.s3fs rw 0 0\n")
+    assert fs_type(str(shared / "runs" / "x"), str(mounts)) == "nfs4"  # not created yet: its mount counts
+    assert fs_type(str(other), str(mounts)) == "overlay"  # a prefix of a name is not its parent
+    assert fs_type(str(bucket / "a"), str(mounts)) == "fuse.s3fs"
     assert not is_shared_fs(str(tmp_path))  # this machine's temp folder is node-local
 
 
