@@ -8,6 +8,7 @@
     python -m launch.bench preference-fit --log LOG [--checkpoint CK] [--steps 1800] [--dense N]
                                                                      (see launch/bench_preference_fit.py)
     python -m launch.bench serve [--json PATH] [--requests 1000]      (see launch/bench_serve.py)
+    python -m launch.bench serve-abuse [--json PATH] [--seconds 20]   (valid requests beside hostile ones)
     python -m launch.bench feedback-log [--json PATH] [--requests 1200] [--repeats 3] [--folder DIR]
                                                                      (see launch/bench_feedback_log.py)
 
@@ -648,7 +649,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m launch.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=["sim", "replay", "apex", "route", "preference", "preference-fit", "serve",
-                                     "feedback-log"],
+                                     "feedback-log", "serve-abuse"],
                     help="which benchmark")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--repeats", type=int, default=5)
@@ -694,6 +695,9 @@ def main(argv: list[str] | None = None) -> int:
               f"  attached in place (shared memory): {res['shared_memory_ms']:.3f} ms\n"
               f"  shard RPC through the object store: {res['object_store_ms']:.3f} ms "
               f"({res['object_store_over_shared']:.1f}x)")
+    elif a.what == "serve-abuse":
+        from launch.bench_serve import bench_serve_abuse
+        res = bench_serve_abuse(seconds=max(a.seconds, 5.0))
     elif a.what == "feedback-log":
         from launch.bench_feedback_log import bench_feedback_log
         res = bench_feedback_log(pairs=a.requests // 4, repeats=a.repeats, folder=a.folder)

@@ -315,6 +315,140 @@ def bench_serve(n: int = 1000, ingresses: tuple = ("haproxy", "proxy"), checkpoi
     return res
 
 
+def hostile_bodies() -> list[tuple[str, bytes, str]]:
+    """(name, body, content type) of requests a service must refuse without harm: decoders'
+    amplifiers, a body near the size limit that fails validation only after it is read, junk."""
+    import msgpack
+    return [("msgpack_empty_arrays_4MB", msgpack.packb([[[] for _ in range(65536)] for _ in range(64)]),
+             "application/msgpack"),
+            ("json_empty_arrays_12MB", b"[" + b"[]," * (4 << 20) + b"[]]", "application/json"),
+            ("packed_60MiB_wrong_shape", msgpack.packb({"macro": {"dtype": "<f4", "shape": [7],
+                                                                  "data": b"\0" * (60 << 20)}, "micro": [0]},
+                                                       use_bin_type=True), "application/msgpack"),
+            ("malformed_json", b'{"macro": [1, 2', "application/json"),
+            ("deep_json", b'{"macro": ' + b"[" * 5000 + b"]" * 5000 + b"}", "application/json")]
+
+
+def abuse_load(url: str, seconds: float, valid_clients: int = 2, hostile_clients: int = 4) -> dict:
+    """Valid 1-shard decisions from `valid_clients` threads, first alone, then beside
+    `hostile_clients` threads sending hostile_bodies() round-robin: the valid requests'
+    latency in both phases and every status seen. Nothing is asserted here."""
+    from apex_bdq.client import DecisionClient
+    macro, micro = _obs(1, seed=3)
+    bodies = hostile_bodies()
+
+    def phase(hostile: int) -> dict:
+        stop = threading.Event()
+        lat: list[float] = []
+        valid_status: dict = {}
+        hostile_status: dict = {}
+        lock = threading.Lock()
+
+        def valid():
+            with DecisionClient(url, use_msgpack=True) as c:
+                while not stop.is_set():
+                    t = time.perf_counter()
+                    try:
+                        c.decide(macro, micro)
+                        code = 200
+                    except Exception as e:  # noqa: BLE001 - counted, never raised
+                        code = getattr(e, "status", None) or type(e).__name__
+                    with lock:
+                        lat.append(time.perf_counter() - t)
+                        valid_status[code] = valid_status.get(code, 0) + 1
+
+        def bad(k: int):
+            i = k
+            while not stop.is_set():
+                name, body, ct = bodies[i % len(bodies)]
+                i += 1
+                try:
+                    with DecisionClient(url) as c:
+                        code, _, _ = c.request("POST", "/v1/decide", body, ct, retry=False)
+                except Exception as e:  # noqa: BLE001 - a closed connection after a refusal
+                    code = f"closed:{type(e).__name__}"
+                with lock:
+                    hostile_status[f"{name} -> {code}"] = hostile_status.get(f"{name} -> {code}", 0) + 1
+
+        threads = [threading.Thread(target=valid) for _ in range(valid_clients)]
+        threads += [threading.Thread(target=bad, args=(k,)) for k in range(hostile)]
+        t0 = time.time()
+        for t in threads:
+            t.start()
+        time.sleep(seconds)
+        stop.set()
+        for t in threads:
+            t.join()
+        out = {"valid": _stats(lat, time.time() - t0, 1) if lat else {"n": 0}, "valid_status": valid_status,
+               "hostile_status": hostile_status}
+        return out
+
+    alone = phase(0)
+    beside = phase(hostile_clients)
+    res = {"alone": alone, "under_abuse": beside, "seconds_per_phase": seconds, "valid_clients": valid_clients,
+           "hostile_clients": hostile_clients}
+    if alone["valid"].get("n") and beside["valid"].get("n"):
+        res["p99_ratio_under_abuse"] = beside["valid"]["p99_ms"] / alone["valid"]["p99_ms"]
+        res["p50_ratio_under_abuse"] = beside["valid"]["p50_ms"] / alone["valid"]["p50_ms"]
+    return res
+
+
+def bench_serve_abuse(seconds: float = 20.0, checkpoint: Optional[str] = None) -> dict:
+    """`python -m launch.bench serve-abuse`: a `launch.serve` (HAProxy, its defaults) in a
+    subprocess, then abuse_load against it; prints the valid requests' latency alone and
+    under abuse and every status seen."""
+    import socket
+    tmp = Path(tempfile.mkdtemp(prefix="bench_abuse_"))
+    if checkpoint is None:
+        checkpoint = DEFAULT_CHECKPOINT if Path(DEFAULT_CHECKPOINT).is_file() else str(tmp / "policy.pt")
+        if not Path(checkpoint).is_file():
+            write_random_checkpoint(Path(checkpoint))
+
+    def free_port() -> int:
+        with socket.socket() as so:
+            so.bind(("127.0.0.1", 0))
+            return so.getsockname()[1]
+
+    port = free_port()
+    env = dict(os.environ, RAY_SERVE_HAPROXY_STATS_PORT=str(free_port()),
+               RAY_SERVE_HAPROXY_METRICS_PORT=str(free_port()))
+    log = open(tmp / "serve.out", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "launch.serve", "--checkpoint", checkpoint, "--port", str(port)],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        from apex_bdq.client import DecisionClient
+        deadline = time.time() + 180
+        while True:
+            try:
+                DecisionClient(url).healthz()
+                break
+            except Exception:
+                if time.time() > deadline or proc.poll() is not None:
+                    raise RuntimeError(f"launch.serve did not come up: {(tmp / 'serve.out').read_text()[-2000:]}")
+                time.sleep(0.5)
+        res = abuse_load(url, seconds)
+    finally:
+        import signal
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+    res["checkpoint"] = checkpoint
+    print("\n| valid 1-shard decisions (msgpack, 2 clients) | n | p50 ms | p99 ms |\n|---|---|---|---|")
+    for k in ("alone", "under_abuse"):
+        v = res[k]["valid"]
+        print(f"| {k.replace('_', ' ')} | {v.get('n', 0):,} | {v.get('p50_ms', float('nan')):.2f} | "
+              f"{v.get('p99_ms', float('nan')):.2f} |")
+    print(f"valid statuses: alone {res['alone']['valid_status']}, under abuse {res['under_abuse']['valid_status']}")
+    print(f"hostile statuses: {res['under_abuse']['hostile_status']}")
+    if "p99_ratio_under_abuse" in res:
+        print(f"p99 under abuse / alone: {res['p99_ratio_under_abuse']:.2f}; p50: {res['p50_ratio_under_abuse']:.2f}")
+    return res
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--worker", choices=("haproxy", "proxy"))
