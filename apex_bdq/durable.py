@@ -7,17 +7,27 @@ power cut (POSIX: a file's fsync does not make its directory entry durable).
 """
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from pathlib import Path
 from typing import BinaryIO, Callable
 
 
+_UMASK = os.umask(0)
+os.umask(_UMASK)  # read once: the mode a plain open() would give a new file
+
+
 def fsync_dir(path: str | os.PathLike) -> None:
-    """fsync the directory holding `path`, so that a file created or renamed there is durable."""
+    """fsync the directory holding `path`, so that a file created or renamed there is durable.
+    Filesystems that cannot fsync a directory (some FUSE mounts) are let through: the file's
+    own fsync is all they offer."""
     fd = os.open(os.path.dirname(os.path.abspath(path)) or ".", os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.ENOSYS, errno.EBADF):
+            raise
     finally:
         os.close(fd)
 
@@ -30,6 +40,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> 
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; the file gets what open() would give it
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()

@@ -22,8 +22,8 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-_STATS_BIND = re.compile(r"^(\s*bind\s+)\*:(\d+)\s*$", re.M)  # `listen stats`: bind *:8404
-_METRICS_BIND = re.compile(r"^(\s*bind\s+):(\d+)\s*$", re.M)  # `frontend prometheus`: bind :9101
+_ANY_BIND = re.compile(r"^(\s*bind\s+)(?:\*|0\.0\.0\.0|::)?:(\d+)(\s.*)?$")  # bind *:8404, bind :9101
+_PRIVATE_SECTIONS = ("listen stats", "frontend prometheus")  # Ray's stats page and exporter, nothing else
 _SOCKET_MODE = re.compile(r"(stats socket \S+ mode )666\b")
 
 
@@ -62,11 +62,18 @@ def private_ingress_env(port: int, expose: bool = False) -> dict[str, str]:
 
 
 def loopback_only(cfg: str) -> str:
-    """Ray's HAProxy configuration with the stats page and exporter bound to 127.0.0.1 and the
-    admin socket owner-only."""
-    cfg = _STATS_BIND.sub(r"\g<1>127.0.0.1:\2", cfg)
-    cfg = _METRICS_BIND.sub(r"\g<1>127.0.0.1:\2", cfg)
-    return _SOCKET_MODE.sub(r"\g<1>600", cfg)
+    """Ray's HAProxy configuration with the stats page and exporter (their sections only: the
+    service's own frontend keeps the host the user chose) bound to 127.0.0.1 and the admin
+    socket owner-only."""
+    out, section = [], ""
+    for line in cfg.splitlines(keepends=True):
+        if line.strip() and not line[0].isspace():
+            section = " ".join(line.split()[:2])
+        m = _ANY_BIND.match(line.rstrip("\n")) if section in _PRIVATE_SECTIONS else None
+        if m:
+            line = f"{m.group(1)}127.0.0.1:{m.group(2)}{m.group(3) or ''}" + ("\n" if line.endswith("\n") else "")
+        out.append(line)
+    return _SOCKET_MODE.sub(r"\g<1>600", "".join(out))
 
 
 def real_haproxy() -> str:

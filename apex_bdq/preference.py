@@ -25,6 +25,7 @@ import uuid
 import warnings
 import zlib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterator, Optional
 
 import msgpack
@@ -227,6 +228,25 @@ def pair_records(pair: PreferencePair, new_segments: list[Segment]) -> list[dict
          "time": float(pair.time or time.time()), "heldout": bool(pair.heldout)}]
 
 
+def _records_v1(data: bytes, limit: Optional[int] = None) -> list[dict]:
+    """The intact prefix of a format-1 log: <length, CRC-32 of the payload> + msgpack payload."""
+    out, off = [], 0
+    while off + 8 <= len(data) and (limit is None or len(out) < limit):
+        n, crc = struct.unpack_from("<II", data, off)
+        payload = data[off + 8:off + 8 + n]
+        if len(payload) != n or zlib.crc32(payload) != crc:
+            break
+        try:
+            rec = msgpack.unpackb(payload, raw=False)
+        except Exception:  # noqa: BLE001 - the end of the intact prefix
+            break
+        if not isinstance(rec, dict) or "kind" not in rec:
+            break
+        out.append(rec)
+        off += 8 + n
+    return out
+
+
 class FeedbackLog:
     """Append-only, fsynced log of framed msgpack records (see the module docstring).
 
@@ -250,11 +270,16 @@ class FeedbackLog:
         self.corrupt_records = 0
         self.corrupt_bytes = 0
         self.orphan_pairs = 0  # set by replay_log
+        self.migrated_from: Optional[str] = None  # a format-1 log kept beside the converted one
+        self._v1: Optional[list] = None  # a format-1 log read in place (read-only)
         self._f = None
         if readonly:
             if not os.path.isfile(self.path):
                 raise FeedbackError(f"feedback log {self.path!r} does not exist")
-            self._check_magic()
+            if self._check_magic() == 1:
+                self._v1 = _records_v1(Path(self.path).read_bytes())
+                self.records_read = len(self._v1)
+                return
             self._scan()
             return
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
@@ -268,25 +293,56 @@ class FeedbackLog:
                                 "run or launch.feedback rank): one writer at a time; read it with "
                                 "launch.feedback --log PATH list, or rank through the run (--address)") from None
         self._f = f
-        if created or os.path.getsize(self.path) == 0:
-            f.write(FILE_MAGIC)
-            f.flush()
-            os.fsync(f.fileno())
-            fsync_dir(self.path)  # the new file's directory entry is durable too
-        else:
-            self._check_magic()
-        good_end = self._scan()
-        if self.torn_bytes:  # cut the torn tail so the next append starts on a record boundary
-            f.truncate(good_end)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            if created or os.path.getsize(self.path) == 0:
+                f.write(FILE_MAGIC)
+                f.flush()
+                os.fsync(f.fileno())
+                fsync_dir(self.path)  # the new file's directory entry is durable too
+            elif self._check_magic() == 1:
+                self._migrate_v1()
+            good_end = self._scan()
+            if self.torn_bytes:  # cut the torn tail so the next append starts on a record boundary
+                f.truncate(good_end)
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            self.close()  # and with it the lock
+            raise
 
-    def _check_magic(self) -> None:
+    def _migrate_v1(self) -> None:
+        """A log of format 1 (before record magics and file magic): its intact records are
+        rewritten as format 2 in place (atomically), the original kept as PATH.v1."""
+        from apex_bdq.durable import atomic_write_bytes
+        data = Path(self.path).read_bytes()
+        records = _records_v1(data)
+        backup = self.path + ".v1"
+        atomic_write_bytes(backup, data)
+        atomic_write_bytes(self.path, FILE_MAGIC + b"".join(_frame(msgpack.packb(r, use_bin_type=True))
+                                                            for r in records))
+        self._f.close()  # the old inode: reopen the converted file, and lock it
+        self._f = open(self.path, "ab")
+        fcntl.flock(self._f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        self.migrated_from = backup
+        warnings.warn(f"feedback log {self.path}: format 1 converted to format 2 ({len(records)} records); the "
+                      f"original is kept as {backup}", RuntimeWarning, stacklevel=3)
+
+    def _check_magic(self) -> int:
+        """The log's format: 2, or 1 (a log of an earlier version); anything else is refused.
+        A damaged file magic before an intact first record is reported, not fatal."""
         with open(self.path, "rb") as f:
-            head = f.read(len(FILE_MAGIC))
-        if head != FILE_MAGIC:
-            raise FeedbackError(f"feedback log {self.path!r} does not start with {FILE_MAGIC!r}: not a feedback log "
-                                "of this version (format 2)")
+            head = f.read(len(FILE_MAGIC) + _HEADER.size + (1 << 20))
+        if head[:len(FILE_MAGIC)] == FILE_MAGIC:
+            return 2
+        if len(head) > len(FILE_MAGIC) and self._record_at(head, len(FILE_MAGIC))[0] is not None:
+            self.corrupt_bytes += len(FILE_MAGIC)
+            warnings.warn(f"feedback log {self.path}: its file magic is damaged; the records after it are intact "
+                          "and read", RuntimeWarning, stacklevel=3)
+            return 2
+        if _records_v1(head, limit=1):
+            return 1
+        raise FeedbackError(f"feedback log {self.path!r} does not start with {FILE_MAGIC!r} nor with a record of "
+                            "format 1: not a feedback log")
 
     def _scan(self) -> int:
         """Offset just past the last intact record; counts and warns about corrupt records and
@@ -354,6 +410,9 @@ class FeedbackLog:
 
     def records(self) -> Iterator[dict]:
         """Every intact record, in append order."""
+        if self._v1 is not None:
+            yield from self._v1
+            return
         if self._f is not None:
             self._f.flush()
         for rec, _ in self._iter_with_offsets():

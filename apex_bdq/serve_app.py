@@ -174,7 +174,9 @@ class _BodyBudget:
 async def read_body(request: Request, budget: _BodyBudget) -> bytes:
     """The body, read in chunks whatever the transfer encoding, refused with 413 as soon as it
     passes MAX_BODY_BYTES (a Content-Length over it before any byte is read) and with 503 when
-    the replica's budget of body bytes in flight is spent."""
+    the replica's budget of body bytes in flight is spent. The bytes read stay charged to the
+    budget until the caller gives them back (`budget.give(len(body))` when the request is done:
+    the decoded arrays may be views of the body); a refused read gives back its own."""
     n = request.headers.get("content-length")
     if n is not None:
         if not n.strip().isdigit():
@@ -189,9 +191,10 @@ async def read_body(request: Request, budget: _BodyBudget) -> bytes:
             budget.take(len(chunk))
             size += len(chunk)
             chunks.append(chunk)
-        return b"".join(chunks)
-    finally:
+    except BaseException:
         budget.give(size)
+        raise
+    return b"".join(chunks)
 
 
 def _timing(**ms: float) -> str:
@@ -297,7 +300,14 @@ class DecisionService:
     async def _decide_http(self, request: Request) -> Response:
         t0 = time.perf_counter()
         mt = S.media_type(request.headers.get("content-type"))
-        doc = S.decode_body(await read_body(request, self._bodies), mt)
+        raw = await read_body(request, self._bodies)
+        try:
+            return await self._decide_body(raw, mt, t0)
+        finally:
+            self._bodies.give(len(raw))  # held until the answer: the arrays may be views of the body
+
+    async def _decide_body(self, raw: bytes, mt: str, t0: float) -> Response:
+        doc = S.decode_body(raw, mt)
         macro, micro, include_q = S.parse_decide(doc, self.holder.cfg)
         t1 = time.perf_counter()
         actions, q, version, queue_ms, model_ms, batch = await self._decide(macro, micro)
@@ -365,8 +375,11 @@ class DecisionService:
         from apex_bdq.preference import FeedbackError, UnknownSegment
         self._authorise(request)
         mt = S.media_type(request.headers.get("content-type"))
-        pairs, segments = S.parse_feedback(S.decode_body(await read_body(request, self._bodies), mt),
-                                           self.holder.cfg)
+        raw = await read_body(request, self._bodies)
+        try:
+            pairs, segments = S.parse_feedback(S.decode_body(raw, mt), self.holder.cfg)
+        finally:
+            self._bodies.give(len(raw))  # parsed into segments of their own; the body can go
         actor = self._preference_actor()
         try:
             results = await asyncio.wait_for(actor.rank_many.remote(pairs, segments, "http"), FEEDBACK_TIMEOUT_S)

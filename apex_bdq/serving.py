@@ -143,7 +143,7 @@ def pack_array(a: np.ndarray) -> dict:
 
 
 MAX_DIMS = 8
-_PACKED_DTYPE = re.compile(r"[<>|=]?[fiu][1248]")
+_PACKED_DTYPE = re.compile(r"[<>|=]?(?:f[248]|[iu][1248])")
 
 
 def _as_array(doc: dict, name: str, dtype, where: str = "") -> np.ndarray:
@@ -169,8 +169,11 @@ def _as_array(doc: dict, name: str, dtype, where: str = "") -> np.ndarray:
         code = v["dtype"]
         if not isinstance(code, str) or not _PACKED_DTYPE.fullmatch(code):
             raise RequestError(422, f"{label}: packed dtype must be a numpy type string like '<f4', '<f8', '<i8' "
-                                    f"(byte order, kind f/i/u, size 1/2/4/8), got {str(code)[:40]!r}")
-        dt = np.dtype(code)
+                                    f"(byte order; f2/f4/f8, i or u 1/2/4/8), got {str(code)[:40]!r}")
+        try:
+            dt = np.dtype(code)
+        except TypeError as e:  # the pattern admits only what numpy knows; this is a second net
+            raise RequestError(422, f"{label}: bad packed dtype {code!r}: {e}") from None
         if dt.kind not in kinds or not isinstance(v["data"], (bytes, bytearray)):
             raise RequestError(422, f"{label}: packed array must hold {want} as bytes, got dtype {dt.str}")
         n = math.prod(shape)

@@ -24,6 +24,8 @@ def test_a_failed_write_leaves_the_old_file_and_no_temp(tmp_path):
     with pytest.raises(RuntimeError, match="disk full"):
         atomic_write(p, boom)
     assert p.read_bytes() == b"old" and os.listdir(tmp_path) == ["ck.pt"]
+    from apex_bdq.durable import _UMASK
+    assert (p.stat().st_mode & 0o777) == 0o666 & ~_UMASK  # the mode open() gives, not mkstemp's 0600
 
 
 def test_writes_are_fsynced_file_and_directory(tmp_path, monkeypatch):

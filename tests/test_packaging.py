@@ -6,9 +6,9 @@ from __future__ import annotations
 import ast
 import importlib.metadata as md
 import sys
-import tomllib
 from pathlib import Path
 
+import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
@@ -17,6 +17,7 @@ PACKAGES = ("apex_bdq", "actors", "learner", "replay_server", "launch")
 
 
 def _core_requirements() -> list[Requirement]:
+    tomllib = pytest.importorskip("tomllib", reason="Python < 3.11 has no tomllib")
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())
     return [Requirement(r) for r in data["project"]["dependencies"]]
 
@@ -80,3 +81,15 @@ def test_scipy_is_a_core_dependency_for_the_simulator():
     # the case the issue found: apex_bdq.sim.queueing imports scipy at module level
     assert "scipy" in _module_level_imports(ROOT / "apex_bdq/sim/queueing.py")
     assert "scipy" in {canonicalize_name(r.name) for r in _core_requirements()}
+
+
+def test_the_haproxy_rewrite_touches_only_the_stats_page_and_exporter():
+    from apex_bdq.haproxy_ingress import loopback_only
+    cfg = ("global\n    stats socket /x/admin.sock mode 666 level admin expose-fd listeners\n"
+           "frontend prometheus\n    bind :9101\n    mode http\n"
+           "frontend http_frontend\n    bind *:8000\n    mode http\n"
+           "listen stats\n  bind *:8404\n  stats enable\n")
+    out = loopback_only(cfg)
+    assert "bind 127.0.0.1:9101" in out and "bind 127.0.0.1:8404" in out
+    assert "bind *:8000" in out  # the service keeps the host the user chose (--host 0.0.0.0)
+    assert "mode 600 level admin" in out and "mode 666" not in out

@@ -306,7 +306,7 @@ def test_not_a_feedback_log_is_refused(tmp_path):
     p = tmp_path / "old.log"
     p.write_bytes(b"\x10\x00\x00\x00" + b"\x00" * 20)
     for ro in (True, False):
-        with pytest.raises(FeedbackError, match="not a feedback log of this version"):
+        with pytest.raises(FeedbackError, match="not a feedback log"):
             FeedbackLog(str(p), readonly=ro)
 
 
@@ -591,3 +591,37 @@ def test_preference_fit_benchmark_on_a_log(tmp_path):
     out = tmp_path / "fit.json"
     assert bench.main(["preference-fit", "--log", str(tmp_path / "fit.log"), "--steps", "4", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["final"]["step"] == 4
+
+
+def test_a_format_1_log_is_read_and_converted_losing_nothing(tmp_path):
+    import struct
+    import zlib
+
+    import msgpack
+    path = tmp_path / "old.log"
+    recs = [{"kind": "meta", "net": {"x": 1}}] + [{"kind": "pair", "a": f"a{i}", "b": f"b{i}", "label": 1.0}
+                                                  for i in range(5)]
+    data = b""
+    for r in recs:  # format 1: <length, CRC-32> + payload, no magics
+        p = msgpack.packb(r, use_bin_type=True)
+        data += struct.pack("<II", len(p), zlib.crc32(p)) + p
+    path.write_bytes(data)
+    assert list(FeedbackLog(str(path), readonly=True).records()) == recs  # read in place, untouched
+    assert path.read_bytes() == data
+    with pytest.warns(RuntimeWarning, match="format 1 converted"):
+        log = FeedbackLog(str(path))
+    log.append({"kind": "pair", "a": "new", "b": "n", "label": 0.5})
+    log.close()
+    assert (tmp_path / "old.log.v1").read_bytes() == data  # the original kept
+    assert [r.get("a") for r in FeedbackLog(str(path), readonly=True).records()] == [None] + [
+        f"a{i}" for i in range(5)] + ["new"]
+
+
+def test_a_damaged_file_magic_loses_no_record(tmp_path):
+    path = str(tmp_path / "x.log")
+    _ten_record_log(path)
+    raw = bytearray(open(path, "rb").read())
+    raw[2] ^= 0xFF
+    open(path, "wb").write(bytes(raw))
+    with pytest.warns(RuntimeWarning, match="file magic is damaged"):
+        assert len(list(FeedbackLog(path, readonly=True).records())) == 10

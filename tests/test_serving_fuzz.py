@@ -26,7 +26,7 @@ N = int(os.environ.get("APEX_BDQ_FUZZ_EXAMPLES", "300"))
 
 # Adversarial metadata: every dtype spelling numpy knows and some it does not; extreme,
 # negative, overflowing and mismatched shapes; huge ids; deep nesting.
-DTYPES = ["<f4", ">f4", "=f4", "|f4", "<f8", "<f2", "<i8", "<i4", "|i1", "<u8", "|u1", "|b1", "?", "b", "B", "h", "H",
+DTYPES = ["<f4", ">f4", "=f4", "|f4", "<f8", "<f2", "<f1", "|f1", "f1", "<u3", "<i8", "<i4", "|i1", "<u8", "|u1", "|b1", "?", "b", "B", "h", "H",
           "i", "I", "l", "L", "q", "Q", "e", "f", "d", "g", "F", "D", "G", "S", "S0", "U", "<U3", "V", "V8", "O", "M",
           "<M8[s]", "m", "float32", "int64", "float", "int", "f4,f4", "(2,)f4", "bogus", "", " <f4", "<f4 ",
           "<f16", "<i0", None, 7, 4.5, True, [], {}, b"<f4"]
