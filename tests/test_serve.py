@@ -435,7 +435,7 @@ def _json_ok(doc) -> bool:
     try:
         json.dumps(doc, allow_nan=False)
         return True
-    except ValueError:
+    except (ValueError, TypeError):
         return False
 
 
