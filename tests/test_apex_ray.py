@@ -204,8 +204,10 @@ def test_two_node_cluster_places_components_by_node_type(own_ray_cluster, tmp_pa
         learner_node = cluster.add_node(num_cpus=2, resources={"learner": 4})
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, log_to_driver=False)
+        # three nodes of one machine share its disk: vouched for, as a shared filesystem would be
+        # (a node-local storage path on a multi-node cluster is refused: tests/test_multinode.py)
         out = _run(ClusterConfig(num_actors=2, num_replay_shards=1, num_learners=1, actor_cpus=1, learner_cpus=1,
-                               publish_every=10), tmp_path)
+                               publish_every=10, storage_is_shared=True), tmp_path)
         st = out["status"]
         assert {a["node_id"] for a in st["actors"]} == {rollout_node.node_id}
         assert {s["node_id"] for s in st["shards"]} == {learner_node.node_id}
