@@ -262,7 +262,9 @@ class FeedbackLog:
     safe beside a live writer (whose half-written last record is then reported as torn).
     """
 
-    def __init__(self, path: str, readonly: bool = False) -> None:
+    def __init__(self, path: str, readonly: bool = False, lock_wait_s: float = 10.0) -> None:
+        """lock_wait_s: how long a writer waits for the lock before refusing (a restarted
+        preference actor whose predecessor's process is still exiting gets it then)."""
         self.path = os.path.abspath(path)
         self.readonly = readonly
         self.records_read = 0
@@ -285,13 +287,20 @@ class FeedbackLog:
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         created = not os.path.exists(self.path)
         f = open(self.path, "ab")
-        try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            f.close()
-            raise FeedbackError(f"feedback log {self.path!r} is open for writing by another process (a running "
-                                "run or launch.feedback rank): one writer at a time; read it with "
-                                "launch.feedback --log PATH list, or rank through the run (--address)") from None
+        deadline = time.monotonic() + lock_wait_s
+        while True:
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError:
+                if time.monotonic() < deadline:
+                    time.sleep(0.1)
+                    continue
+                f.close()
+                raise FeedbackError(f"feedback log {self.path!r} is open for writing by another process (a running "
+                                    f"run or launch.feedback rank; waited {lock_wait_s:g} s): one writer at a time; "
+                                    "read it with launch.feedback --log PATH list, or rank through the run "
+                                    "(--address)") from None
         self._f = f
         try:
             if created or os.path.getsize(self.path) == 0:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import time
 import warnings
 from pathlib import Path
 
@@ -274,8 +275,10 @@ def test_a_reader_beside_a_live_writer_and_a_second_writer(tmp_path):
     path = str(tmp_path / "x.log")
     writer = FeedbackLog(path)
     writer.append({"kind": "pair", "a": "a0", "b": "b0", "label": 1.0})
+    t0 = time.monotonic()
     with pytest.raises(FeedbackError, match="open for writing by another process"):
-        FeedbackLog(path)  # one writer at a time (the lock is per open file: same process too)
+        FeedbackLog(path, lock_wait_s=0.5)  # one writer at a time (the lock is per open file: same process too)
+    assert time.monotonic() - t0 >= 0.5  # it waited for the lock before refusing
     size = os.path.getsize(path)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -295,7 +298,7 @@ def test_a_reader_beside_a_live_writer_and_a_second_writer(tmp_path):
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(FeedbackError, match="open for writing"):
-            FeedbackLog(path)
+            FeedbackLog(path, lock_wait_s=0.3)
     finally:
         holder.kill()
         holder.wait()
@@ -625,3 +628,15 @@ def test_a_damaged_file_magic_loses_no_record(tmp_path):
     open(path, "wb").write(bytes(raw))
     with pytest.warns(RuntimeWarning, match="file magic is damaged"):
         assert len(list(FeedbackLog(path, readonly=True).records())) == 10
+
+
+def test_a_writer_waits_for_the_lock_of_a_writer_that_is_going(tmp_path):
+    """A restarted preference actor may start while its predecessor's process still exits."""
+    import threading
+    path = str(tmp_path / "x.log")
+    old = FeedbackLog(path)
+    threading.Timer(0.3, old.close).start()
+    new = FeedbackLog(path, lock_wait_s=10.0)  # gets it once the old one lets go
+    new.append({"kind": "pair", "a": "a", "b": "b", "label": 1.0})
+    new.close()
+    assert [r["a"] for r in FeedbackLog(path, readonly=True).records()] == ["a"]
