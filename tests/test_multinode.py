@@ -80,6 +80,10 @@ def test_a_two_node_run_needs_shared_storage_and_the_feedback_actor_follows_its_
                         action=rng.integers(0, net.sub_actions, (4, net.num_branches)),
                         metrics={m: float(rng.random()) for m in PREFERENCE_METRICS}) for i in range(6)]
         second = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("second"))
+        # a task pinned there first: the second node's worker pool is up before the soft placement
+        # below (a soft affinity falls back to another node while the preferred one is not ready)
+        assert ray.get(ray.remote(lambda: ray.get_runtime_context().get_node_id()).options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(second, soft=False)).remote(), timeout=120) == second
         log = run.cfg.pref.log_path
         actor = remote_preference_class(max_restarts=-1).options(
             num_cpus=0, max_concurrency=1,

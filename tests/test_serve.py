@@ -414,7 +414,11 @@ def test_fuzzed_bodies_over_http_never_get_a_5xx_or_take_the_service_down(server
         if kind == "raw":
             body, ct = raw, "application/msgpack"
         elif kind == "msgpack":
-            body, ct = msgpack.packb(doc, use_bin_type=True), "application/msgpack"
+            try:
+                body = msgpack.packb(doc, use_bin_type=True)
+            except (OverflowError, ValueError, TypeError):  # beyond 64-bit integers: no client can send it
+                body = raw
+            ct = "application/msgpack"
         else:
             body, ct = json.dumps(doc, allow_nan=False).encode() if _json_ok(doc) else b"{", "application/json"
         headers = {"Authorization": f"Bearer {TOKEN}"} if auth else None
