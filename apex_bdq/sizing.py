@@ -91,3 +91,46 @@ def replicas_for(rate_rps: np.ndarray, table: SizingTable) -> np.ndarray:
         out[..., k] = np.searchsorted(table.max_load[k, :table.c_max[k]], load[..., k], side="left") + 1
     out = np.where(load > 0, out, 0)  # no requests: the floor
     return np.clip(out, table.min_replicas, table.c_max)
+
+
+class HoldWindow:
+    """The scale-down hold of platform v2's capacity branch, for [S, K] pools: a pool's target
+    is the highest plan of the open 15-s block and of the newest `hold_blocks[h]` closed ones
+    (h = the hold level; 0 blocks releases at once), as HPA's scale-down stabilisation window
+    does. `step` is called once per tick, after the plans of that tick; the simulator and the
+    KEDA scaler (`apex_bdq.control`) both hold with this class."""
+
+    def __init__(self, initial: np.ndarray, hold_blocks: np.ndarray, block_ticks: int) -> None:
+        self.hold_blocks = np.asarray(hold_blocks, dtype=np.int64)  # [n] closed blocks each level reaches back
+        self.block = max(1, int(block_ticks))
+        self.nb = max(1, int(self.hold_blocks.max()))
+        self.ring = np.repeat(np.asarray(initial, dtype=np.int32)[None], self.nb, axis=0)  # [nb, S, K]
+        self.open = np.asarray(initial, dtype=np.int32).copy()
+        self.ptr = 0
+        self.t = 0
+        self._suffix()
+
+    def _suffix(self) -> None:
+        """suffix[j] [S, K]: highest plan over the newest j closed blocks (suffix[0] = 0)."""
+        nb = self.nb
+        order = [(self.ptr - 1 - j) % nb for j in range(nb)]  # newest first
+        suf = np.zeros((nb + 1,) + self.open.shape, dtype=np.int32)
+        np.maximum.accumulate(self.ring[order], axis=0, out=suf[1:])
+        self.suffix = suf
+
+    def target(self, plan: np.ndarray, hold_level: np.ndarray) -> np.ndarray:
+        """[S, K] the held target for this tick's `plan` [S, K] at hold levels [S, K]."""
+        np.maximum(self.open, plan, out=self.open)
+        reach = self.hold_blocks[hold_level]  # [S, K] closed blocks each hold reaches back
+        held = np.take_along_axis(self.suffix, reach[None], axis=0)[0]
+        # A hold covers the open block (plans since it began) and `reach` closed ones.
+        return np.where(reach > 0, np.maximum(self.open, held), plan)
+
+    def step(self) -> None:
+        """End of a tick: the open block closes every `block_ticks` ticks."""
+        if self.t % self.block == self.block - 1:
+            self.ring[self.ptr] = self.open
+            self.ptr = (self.ptr + 1) % self.nb
+            self._suffix()
+            self.open = np.zeros_like(self.open)
+        self.t += 1

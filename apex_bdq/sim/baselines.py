@@ -117,29 +117,39 @@ class HPA:
     def reset(self, sim) -> None:
         _require_shared(sim, self.name)
         self.period = max(1, int(round(self.period_s / sim.dt)))
-        self.recs: deque = deque(maxlen=max(1, int(round(self.window_s / self.period_s))))
-        self.replicas = sim.target.astype(np.int64).copy()  # [S, P]
-        self.recs.append(self.replicas.copy())
+        self.start(sim.target)
         self.actions = default_actions(sim)
         self.target = per_shard(self.target_utilisation, sim.S, "target_utilisation")
 
+    def start(self, replicas: np.ndarray) -> None:
+        """Begin from the replicas in place (any shape: one entry per pool)."""
+        self.recs: deque = deque(maxlen=max(1, int(round(self.window_s / self.period_s))))
+        self.replicas = np.asarray(replicas).astype(np.int64).copy()
+        self.recs.append(self.replicas.copy())
+        if not hasattr(self, "target"):
+            self.target = self.target_utilisation
+
+    def sync(self, util: np.ndarray, ready: np.ndarray, lo, hi) -> np.ndarray:
+        """One sync period on telemetry: monitored utilisation and ready replicas per pool,
+        replica bounds lo / hi (minReplicas / maxReplicas); returns the replicas set. The
+        simulator's HPA and the KEDA scaler's reference rule (`apex_bdq.control`) are this."""
+        ratio = util / self.target
+        rec = np.where(np.abs(ratio - 1.0) <= self.tol, self.replicas, np.ceil(ready * ratio)).astype(np.int64)
+        self.recs.append(rec)
+        cur = self.replicas
+        # Scale-down stabilisation: go down only to the highest recent recommendation.
+        highest = np.max(np.stack(self.recs), axis=0)
+        stable = np.where(rec >= cur, rec, np.minimum(cur, highest))
+        up_limit = np.maximum(cur * (1 + self.up_pct / 100.0), cur + self.up_pods)
+        down_limit = cur * (1 - self.down_pct / 100.0)
+        self.replicas = np.clip(stable, np.ceil(down_limit), np.floor(up_limit)).astype(np.int64)
+        # minReplicas / maxReplicas of the HorizontalPodAutoscaler object.
+        self.replicas = np.clip(self.replicas, lo, hi)
+        return self.replicas
+
     def act(self, sim, obs):
         if sim.t % self.period == 0:
-            util = _pool_utilisation(sim)
-            ready = sim.active.astype(np.float64)
-            ratio = util / self.target
-            rec = np.where(np.abs(ratio - 1.0) <= self.tol, self.replicas,
-                           np.ceil(ready * ratio)).astype(np.int64)
-            self.recs.append(rec)
-            cur = self.replicas
-            # Scale-down stabilisation: go down only to the highest recent recommendation.
-            highest = np.max(np.stack(self.recs), axis=0)
-            stable = np.where(rec >= cur, rec, np.minimum(cur, highest))
-            up_limit = np.maximum(cur * (1 + self.up_pct / 100.0), cur + self.up_pods)
-            down_limit = cur * (1 - self.down_pct / 100.0)
-            self.replicas = np.clip(stable, np.ceil(down_limit), np.floor(up_limit)).astype(np.int64)
-            # minReplicas / maxReplicas of the HorizontalPodAutoscaler object.
-            self.replicas = np.clip(self.replicas, sim.cfg.min_servers, sim.pool_max)
+            self.sync(_pool_utilisation(sim), sim.active.astype(np.float64), sim.cfg.min_servers, sim.pool_max)
         return self.actions, self.replicas
 
 

@@ -43,11 +43,12 @@ from typing import Optional
 import numpy as np
 
 from apex_bdq.config import SimConfig
+from apex_bdq.features import Scales, macro_v2, micro_frame_v2
 from apex_bdq.sim.platform import Observation, make_rates
 from apex_bdq.sim.provisioning import P99_Q, ActionError, PoolsView, Provisioning, check_layout, serve_tick
 from apex_bdq.sim.queueing import ErlangCTable
 from apex_bdq.sim.trace import TickRates
-from apex_bdq.sizing import SizingTable, replicas_for
+from apex_bdq.sizing import HoldWindow, SizingTable, replicas_for
 
 MACRO_GLOBAL_V2 = ("tod_sin", "tod_cos", "tow_sin", "tow_cos", "window_phase", "admission_level",
                    "history_1d_ok", "history_7d_ok")
@@ -130,17 +131,13 @@ class PlatformSimV2(PoolsView):
                              f"({cfg.episode_ticks} ticks)")
         f32 = np.float32
         svc = np.asarray(cfg.service_time_s, dtype=np.float64)
-        self.mu = (1.0 / svc).astype(f32)  # [K] per second per replica
+        sc = self.scales = Scales(cfg)  # the observation's normalisers (apex_bdq.features)
+        self.mu, self.slo, self.inv_slo = sc.mu, sc.slo, sc.inv_slo  # [K] per second per replica; p99 target, s
         self.inv_mu = svc.astype(f32)  # [K] replica-seconds of work per request
-        self.slo = (np.asarray(cfg.slo_factor) * svc).astype(f32)  # [K] p99 target, seconds
         self.lat_cap = (cfg.latency_cap_factor * self.slo).astype(f32)
         self.mean_load = cfg.mean_load_erlangs
-        self.class_load = (np.asarray(cfg.shares) * cfg.mean_load_erlangs).astype(f32)  # [K] Erlangs
-        self.inv_class_load = (1.0 / self.class_load).astype(f32)
-        self.class_rate = (self.class_load * self.mu).astype(f32)  # [K] mean requests per second
-        self.inv_class_rate = (1.0 / self.class_rate).astype(f32)
-        self.inv_mean_n = (1.0 / (self.class_rate * dt)).astype(f32)  # [K] per-tick arrivals -> O(1)
-        self.inv_slo = (1.0 / self.slo).astype(f32)
+        self.class_load, self.inv_class_load = sc.class_load, sc.inv_class_load  # [K] Erlangs
+        self.class_rate, self.inv_class_rate = sc.class_rate, sc.inv_class_rate  # [K] mean requests per second
         self.lam_table = self.rates.rates.astype(f32, copy=False)  # [T, K], shared by every simulator of the trace
         self.caps = pool_caps(cfg, self.rates)  # [K]
         self.pool_max = self.caps  # [K] (v1 has one int)
@@ -152,7 +149,6 @@ class PlatformSimV2(PoolsView):
         self.hold_block = max(1, int(round(HOLD_BLOCK_S / dt)))
         self.hold_blocks = np.array([math.ceil(h / (self.hold_block * dt) - 1e-9) for h in cfg.hold_s],
                                     dtype=np.int64)  # [n] closed blocks a hold reaches back
-        self.nb = max(1, int(self.hold_blocks.max()))
         adm = np.array([1e30] + [2.0 ** (n - 2 - lvl) for lvl in range(n - 1)])  # [n] SLOs of backlog
         self.adm_slo = (adm[:, None] * self.slo[None, :]).astype(f32)  # [n, K] seconds
         self.L = max(1, cfg.delay_ticks)
@@ -194,11 +190,7 @@ class PlatformSimV2(PoolsView):
         self.prov = Provisioning(self.target.copy(), cfg.delay_ticks, cfg.min_servers)
         self.level = np.empty((S, self.D), dtype=np.int64)  # the sub-actions in force
         self.level[:] = d
-        # Hold: maxima of the plans per 15-s block; `suffix[j]` = max of the newest j closed blocks.
-        self.hold_ring = np.repeat(self.target[None].astype(np.int32), self.nb, axis=0)  # [nb, S, K]
-        self.hold_open = self.target.copy()
-        self.hold_ptr = 0
-        self._hold_suffix()
+        self.hold = HoldWindow(self.target, self.hold_blocks, self.hold_block)
         load = lam * self.inv_mu
         self.load_est = (load + 1e-6).astype(f32)  # requests in service per class
         self.backlog = np.zeros((S, K), dtype=f32)
@@ -228,14 +220,6 @@ class PlatformSimV2(PoolsView):
         self.coarse_acc = np.zeros((S, K), dtype=f32)
         self.coarse_ptr = 0
         return self._observe()
-
-    def _hold_suffix(self) -> None:
-        """suffix[j] [S, K]: highest plan over the newest j closed blocks (suffix[0] = 0)."""
-        nb = self.nb
-        order = [(self.hold_ptr - 1 - j) % nb for j in range(nb)]  # newest first
-        suf = np.zeros((nb + 1,) + self.hold_open.shape, dtype=np.int32)
-        np.maximum.accumulate(self.hold_ring[order], axis=0, out=suf[1:])
-        self.suffix = suf
 
     # ---------------------------------------------------------------------------------
     def _draw_augmentation(self) -> None:
@@ -306,16 +290,8 @@ class PlatformSimV2(PoolsView):
             want = ct
         else:
             plan = self.plan_for(mon_load * self.mu, a[:, :K]).astype(np.int32)  # [S, K]
-            np.maximum(self.hold_open, plan, out=self.hold_open)
-            reach = self.hold_blocks[a[:, K:2 * K]]  # [S, K] closed blocks each hold reaches back
-            held = np.take_along_axis(self.suffix, reach[None], axis=0)[0]
-            # A hold covers the open block (plans since it began) and `reach` closed ones.
-            want = np.where(reach > 0, np.maximum(self.hold_open, held), plan)
-        if self.t % self.hold_block == self.hold_block - 1:  # the open block closes
-            self.hold_ring[self.hold_ptr] = self.hold_open
-            self.hold_ptr = (self.hold_ptr + 1) % self.nb
-            self._hold_suffix()
-            self.hold_open = np.zeros_like(self.hold_open)
+            want = self.hold.target(plan, a[:, K:2 * K])
+        self.hold.step()
         self.target = np.clip(want, cfg.min_servers, self.caps).astype(np.int32)
         self.prov.reconcile(self.target)
 
@@ -383,14 +359,8 @@ class PlatformSimV2(PoolsView):
             self.coarse_ptr = (self.coarse_ptr + 1) % self.Hc
             self.coarse_acc[:] = 0.0
         self.hist_ptr = h = (self.hist_ptr + 1) % self.H
-        fr = self.frame
-        fr[..., 0] = arrivals * self.inv_mean_n
-        fr[..., 1] = np.minimum(backlog * inv_rate * self.inv_slo, 10.0)
-        fr[..., 2] = p99 * self.inv_slo
-        fr[..., 3] = drops * self.inv_mean_n
-        fr[..., 4] = c * self.inv_class_load
-        fr[..., 5] = self.pending * self.inv_class_load
-        fr[..., 6] = np.minimum(self.win_late / (np.maximum(self.win_req, 1.0) * P99_Q), 10.0)
+        micro_frame_v2(self.frame, self.scales, arrivals=arrivals, backlog=backlog, p99_s=p99, refused=drops, ready=c,
+                       booting=self.pending, win_late=self.win_late, win_req=self.win_req, inv_rate=inv_rate)
         self.micro_items[:, :, h] = self.frame_items
         self.micro_items[:, :, h + self.H] = self.frame_items
 
@@ -427,39 +397,20 @@ class PlatformSimV2(PoolsView):
         return d, w, ok_d, ok_w
 
     def _observe(self) -> Observation:
-        S, K, n = self.S, self.K, self.n
+        S, K = self.S, self.K
         idx = self.trace_index()
-        g = len(MACRO_GLOBAL_V2)
         per = len(MACRO_CLASS_V2) + self.Hc + 2 * len(self.leads)
-        macro = np.empty((S, g + K * per), dtype=np.float32)
+        macro = np.empty((S, len(MACRO_GLOBAL_V2) + K * per), dtype=np.float32)
         cls = np.empty((S, K, per), dtype=np.float32)
-        two_pi = 2.0 * np.pi
-        tod = two_pi * self.rates.time_of_day[idx]
-        tow = two_pi * self.rates.time_of_week[idx]
         d, w, ok_d, ok_w = self.seasonal(idx)
-        macro[:, 0], macro[:, 1] = np.sin(tod), np.cos(tod)
-        macro[:, 2], macro[:, 3] = np.sin(tow), np.cos(tow)
-        macro[:, 4] = (self.t % self.W) / self.W
-        macro[:, 5] = self.level[:, -1] * (1.0 / (n - 1))
-        macro[:, 6], macro[:, 7] = ok_d, ok_w
         lagged = (self.mon_ptr - self.lag) % (self.lag + 1)
-        inv_load = self.inv_class_load
-        cls[..., 0] = self.mon_load[lagged] * inv_load
-        cls[..., 1] = self.mon_util[lagged]
-        cls[..., 2] = self.active * inv_load
-        cls[..., 3] = self.pending * inv_load
-        cls[..., 4] = self.prov.ready_within(self.soon) * inv_load  # booting, ready within half the delay
-        cls[..., 5] = self.target * inv_load
-        cls[..., 6] = self.level[:, :K] * (1.0 / (n - 1))
-        cls[..., 7] = self.level[:, K:2 * K] * (1.0 / (n - 1))
-        cls[..., 8] = self.last_violated
-        m = len(MACRO_CLASS_V2)
         order = (self.coarse_ptr + np.arange(self.Hc)) % self.Hc  # oldest first
-        cls[..., m:m + self.Hc] = (self.coarse[order] * self.inv_class_rate).transpose(1, 2, 0)
-        J = len(self.leads)
-        cls[..., m + self.Hc:m + self.Hc + J] = (d * self.inv_class_rate).transpose(0, 2, 1)
-        cls[..., m + self.Hc + J:] = (w * self.inv_class_rate).transpose(0, 2, 1)
-        macro[:, g:] = cls.reshape(S, K * per)
+        macro_v2(macro, cls, self.scales, tod=self.rates.time_of_day[idx], tow=self.rates.time_of_week[idx],
+                 window_phase=(self.t % self.W) / self.W, admission_level=self.level[:, -1], ok_1d=ok_d, ok_7d=ok_w,
+                 in_flight=self.mon_load[lagged], utilisation=self.mon_util[lagged], ready=self.active,
+                 booting=self.pending, booting_soon=self.prov.ready_within(self.soon), target=self.target,
+                 plan_level=self.level[:, :K], hold_level=self.level[:, K:2 * K], last_violated=self.last_violated,
+                 rate_blocks=self.coarse[order], rate_1d=d, rate_7d=w)
         p = self.hist_ptr + 1
         micro = self.micro_buf[:, :, p:p + self.H]
         return Observation(macro=macro, micro=micro.copy() if self.copy_obs else micro)
