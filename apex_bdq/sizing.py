@@ -18,13 +18,13 @@ from typing import Sequence
 
 import numpy as np
 
-from apex_bdq.sim.queueing import erlang_c
 
 
 def max_load_within_slo(c: np.ndarray, service_s: float, slo_s: float, tail: float,
                         iters: int = 60) -> np.ndarray:
     """Largest offered load (Erlangs) that c >= 1 replicas serve with P(latency > slo) <= tail,
     by bisection on a in [0, c) (P(late) rises with a). 0 where even a -> 0 is late (slo <= s)."""
+    from apex_bdq.sim.queueing import erlang_c  # here: apex_bdq.sim imports this module
     c = np.asarray(c, dtype=np.float64)
     budget = slo_s - service_s
     lo = np.zeros_like(c)

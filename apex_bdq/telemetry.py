@@ -40,6 +40,7 @@ from apex_bdq.sim.platform import Observation
 
 DAY_S, WEEK_S = 86400, 7 * 86400
 SEASON_WINDOW_S = 60  # rate() window of the seasonal inputs, centred on the lead
+EMA_SPAN = 6  # monitored signals: an exponential average over EMA_SPAN x the lag of per-tick samples
 
 
 class TelemetryError(ValueError):
@@ -124,8 +125,8 @@ class TelemetryConfig:
 @dataclass
 class Reading:
     """One reading at platform time `t`: the observation (None when a problem stops it),
-    what HPA's rule reads (utilisation and ready replicas per class), the problems found,
-    and the seconds the queries took."""
+    what HPA's rule reads (utilisation and ready replicas per class), the replicas asked for,
+    the problems found, the seconds the queries took, and the monitored requests in flight."""
 
     t: float
     obs: Optional[Observation]
@@ -134,6 +135,7 @@ class Reading:
     spec: Optional[np.ndarray]
     problems: list[str]
     query_s: float
+    in_flight: Optional[np.ndarray] = None  # [K] monitored requests in flight (what the plan sizes for)
 
     @property
     def ok(self) -> bool:
@@ -155,7 +157,8 @@ class TelemetryReader:
         if self.step != sim.tick_s or self.step < 1:
             raise TelemetryError(f"the reader reads one sample per tick: sim.tick_s must be a whole number of seconds, "
                                  f"got {sim.tick_s}")
-        self.lag = max(self.step, int(round(sim.monitor_lag_s)))
+        self.lag_ticks = max(1, sim.lag_ticks)
+        self.lag = self.lag_ticks * self.step
         self.W = int(round(sim.accounting_window_s))
         self.cb = int(round(sim.coarse_block_s))
         self.soon = max(1, sim.delay_ticks // 2) * self.step
@@ -205,13 +208,14 @@ class TelemetryReader:
         c, d = self._by(False), self._by(True)
         inst = {"time": t}
         hist = {"start": t - (H - 1) * st, "end": t, "step": st}
+        mon = {"start": t - lag - EMA_SPAN * lag, "end": t - lag, "step": st}
         back = {"start": t - (H + 2 * self.W) * st, "end": t, "step": st}
         blk_end = (t // self.cb) * self.cb
         coarse = {"start": blk_end - (self.sim.coarse_history - 1) * self.cb, "end": blk_end, "step": self.cb}
         q = {
-            "in_flight": ("q", f"sum by ({c}) (avg_over_time({self._sel(m.in_flight)}[{lag}s] offset {lag}s))", False, inst),
-            "busy": ("q", f"sum by ({c}) (rate({self._sel(m.busy)}[{lag}s] offset {lag}s))", False, inst),
-            "ready_avg": ("q", f"sum by ({d}) (avg_over_time({self._sel(m.ready, True)}[{lag}s] offset {lag}s))", True, inst),
+            "in_flight": ("r", f"sum by ({c}) ({self._sel(m.in_flight)})", False, mon),
+            "busy": ("r", f"sum by ({c}) ({self._sel(m.busy)})", False, mon),
+            "ready_mon": ("r", f"sum by ({d}) ({self._sel(m.ready, True)})", True, mon),
             "exist_soon": ("q", f"sum by ({d}) ({self._sel(m.exist, True)} offset {self.soon}s)", True, inst),
             "spec": ("q", f"sum by ({d}) ({self._sel(m.spec, True)})", True, inst),
             "ready": ("r", f"sum by ({d}) ({self._sel(m.ready, True)})", True, hist),
@@ -328,15 +332,23 @@ class TelemetryReader:
             for k in np.nonzero(age > self.tel.stale_s)[0]:
                 problems.append(f"stale:{name.replace('age_', '')}:{names[k]}: newest sample {age[k]:.0f} s old")
         hist_t = np.arange(t - (H - 1) * st, t + 1, st)
+        mon_t = np.arange(t - self.lag - EMA_SPAN * self.lag, t - self.lag + 1, st)
         back_t = np.arange(t - (H + 2 * W) * st, t + 1, st)
         blk_end = (t // self.cb) * self.cb
         coarse_t = np.arange(blk_end - (self.sim.coarse_history - 1) * self.cb, blk_end + 1, self.cb)
         mat = {n: self._matrix(res[n], qs[n][2], {"ready": hist_t, "exist": hist_t, "queue": hist_t, "p99": hist_t,
-                                                   "coarse": coarse_t}.get(n, back_t))
+                                                   "coarse": coarse_t, "in_flight": mon_t, "busy": mon_t,
+                                                   "ready_mon": mon_t}.get(n, back_t))
                for n, (kind, *_rest) in qs.items() if kind == "r"}
-        in_flight = self._need(vec["in_flight"], "in_flight", False, problems)
-        busy = self._need(vec["busy"], "busy", False, problems)
-        ready_avg = self._need(vec["ready_avg"], "ready_avg", True, problems)
+        n_mon = len(mon_t)
+        in_flight_h = self._need_rows(mat["in_flight"], "in_flight", False, problems, n_mon)
+        busy_h = self._need_rows(mat["busy"], "busy", False, problems, n_mon)
+        ready_m = self._need_rows(mat["ready_mon"], "ready", True, problems, n_mon)
+        # What a metrics pipeline reports, one lag late: an exponential average (weight 1/lag
+        # per tick) of requests in flight and of the busy share of the ready replicas.
+        in_flight = ema(in_flight_h[1:], 1.0 / self.lag_ticks)
+        util_h = np.diff(busy_h, axis=0) / st / np.maximum(ready_m[1:], 1.0)
+        util_now = ema(np.clip(util_h, 0.0, 1.0), 1.0 / self.lag_ticks)
         exist_soon = self._need(vec["exist_soon"], "exist_soon", True, problems)
         spec = self._need(vec["spec"], "spec", True, problems)
         ready_h = self._need_rows(mat["ready"], "ready", True, problems, H)
@@ -364,7 +376,11 @@ class TelemetryReader:
             ok[name] = float(present)
             season[name] = np.asarray(rows, dtype=np.float64)[None] * present  # [1, J, K]
         if problems:
-            return Reading(t, None, None, None, None, problems, time.monotonic() - t0)
+            rule_ok = not any(p.split(":")[1] in ("busy", "ready", "spec", "series_kube", "kube", "app")
+                              for p in problems)
+            return Reading(t, None, util_now if rule_ok else None,
+                           ready_h[-1] if rule_ok else None, spec if rule_ok else None, problems,
+                           time.monotonic() - t0)
 
         def increments(cum):  # counter increases per step, resets read as restarts from 0
             d = np.diff(cum, axis=0)
@@ -387,7 +403,7 @@ class TelemetryReader:
         booting_now = np.maximum(exist_now - ready_now, 0.0)
         launched_recently = np.maximum(exist_now - exist_soon, 0.0)
         booting_soon = np.maximum(booting_now - launched_recently, 0.0)
-        util = np.minimum(busy / np.maximum(ready_avg, 1.0), 1.0)
+        util = util_now
         S1 = 1
         clock = t + self.tel.clock_offset_s
         per = 9 + self.sim.coarse_history + 2 * len(self.sim.seasonal_leads_s)
@@ -409,7 +425,16 @@ class TelemetryReader:
         obs = Observation(macro=macro, micro=micro)
         if not (np.isfinite(macro).all() and np.isfinite(micro).all()):
             return Reading(t, None, None, None, None, ["not_finite:observation"], time.monotonic() - t0)
-        return Reading(t, obs, util, ready_now, spec, problems, time.monotonic() - t0)
+        return Reading(t, obs, util, ready_now, spec, problems, time.monotonic() - t0, in_flight=in_flight)
+
+
+def ema(x: np.ndarray, alpha: float) -> np.ndarray:
+    """Exponential moving average of rows x [n, K] (oldest first) at its last row, started
+    at the first row (as the simulator's monitor starts at the first value it sees)."""
+    m = x[0].astype(np.float64).copy()
+    for row in x[1:]:
+        m += alpha * (row - m)
+    return m
 
 
 def micro_fields() -> tuple[str, ...]:

@@ -1,0 +1,327 @@
+"""From a reading of the platform to the replicas of each Deployment: the learned decision,
+HPA's rule on the same telemetry, the guard between them, shadow mode and guarded control.
+
+Every `sync_s` (HPA's sync period, 15 s) `Controller.decide(t)`
+  1. reads the platform (`TelemetryReader`; or `reading_from_sim` inside the simulator);
+  2. computes HPA's rule on that telemetry (`baselines.HPA.sync`: the autoscaler a platform
+     runs today, the reference of the shadow report and the fallback);
+  3. runs the policy on the observation: the greedy sub-actions (under the policy's own
+     observation guard, `apex_bdq.guard`), then per class the replicas the simulator would
+     ask for — the plan (`sizing.replicas_for` of the monitored rate x the plan factor) held
+     by `sizing.HoldWindow` over 15-s blocks: one definition, shared with the simulator;
+  4. guards it: within [rule x (1 - band_below), rule x (1 + band_above)], at most
+     max(step_up_pods, step_up_pct %) more and step_down_pct % fewer replicas than now per
+     decision, within [min_replicas, max_replicas];
+  5. falls back to the rule (or, when the rule's own inputs are missing, holds the replicas
+     in place) on a query timeout, a missing or stale series, a non-finite value, an
+     observation outside what training covered, or a policy error; every fallback is
+     counted by reason.
+mode "shadow" applies the rule's replicas (what the running autoscaler does) and logs the
+policy's beside them; mode "control" applies the guarded learned replicas. Each decision is
+one JSON line in `log_path` (the shadow report's input) and updates Prometheus metrics in
+`registry` (decision latency histogram, fallback / guard / decision counters, replicas).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+
+from apex_bdq.config import SimConfig
+from apex_bdq.features import Scales
+from apex_bdq.sizing import HoldWindow, SizingTable, replicas_for
+
+FALLBACK_REASONS = ("timeout", "missing", "stale", "query_failed", "not_finite", "out_of_range", "policy_error")
+
+
+class ControlError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ControlConfig:
+    """How learned decisions reach the platform (see the module docstring)."""
+
+    mode: str = "shadow"
+    sync_s: float = 15.0
+    band_below: float = 0.5
+    band_above: float = 1.0
+    step_up_pods: int = 4
+    step_up_pct: float = 100.0
+    step_down_pct: float = 50.0
+    min_replicas: int = 1
+    max_replicas: int = 200
+    hpa_target_utilisation: float = 0.5
+
+    def __post_init__(self) -> None:
+        def need(ok, msg):
+            if not ok:
+                raise ControlError(msg)
+        need(self.mode in ("shadow", "control"), f"mode must be 'shadow' or 'control', got {self.mode!r}")
+        for name in ("sync_s", "step_up_pct", "hpa_target_utilisation"):
+            v = getattr(self, name)
+            need(isinstance(v, (int, float)) and math.isfinite(v) and v > 0, f"{name} must be > 0, got {v!r}")
+        need(0 <= self.band_below < 1, f"band_below must be in [0, 1), got {self.band_below!r}")
+        need(self.band_above >= 0, f"band_above must be >= 0, got {self.band_above!r}")
+        need(0 <= self.step_down_pct <= 100, f"step_down_pct must be in [0, 100], got {self.step_down_pct!r}")
+        need(isinstance(self.step_up_pods, int) and self.step_up_pods >= 0, "step_up_pods must be an int >= 0")
+        need(isinstance(self.min_replicas, int) and 0 <= self.min_replicas <= self.max_replicas,
+             f"need 0 <= min_replicas <= max_replicas, got {self.min_replicas!r} / {self.max_replicas!r}")
+        need(self.hpa_target_utilisation <= 1, "hpa_target_utilisation must be <= 1")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ControlConfig":
+        allowed = {f.name for f in dataclasses.fields(cls)}
+        bad = set(d) - allowed
+        if bad:
+            raise ControlError(f"unknown control keys {sorted(bad)}; allowed: {sorted(allowed)}")
+        return cls(**d)
+
+
+def hpa_desired(current: np.ndarray, metric_value: np.ndarray, target: float = 1.0,
+                tolerance: float = 0.1) -> np.ndarray:
+    """The replicas Kubernetes' HPA sets for an external metric with an AverageValue target
+    (what KEDA's ScaledObject creates): ratio = value / (target x current); unchanged within
+    the tolerance, else ceil(value / target). From the Kubernetes HPA algorithm details."""
+    cur = np.asarray(current, dtype=np.float64)
+    val = np.asarray(metric_value, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = val / (target * np.maximum(cur, 1e-12))
+    want = np.ceil(val / target - 1e-9)
+    keep = (cur > 0) & (np.abs(ratio - 1.0) <= tolerance)
+    return np.where(keep, cur, want).astype(np.int64)
+
+
+class ControllerMetrics:
+    """The decision service's Prometheus metrics, in their own registry."""
+
+    def __init__(self, classes) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+        self.registry = reg = CollectorRegistry(auto_describe=True)
+        self.decision_s = Histogram("apex_scaler_decision_seconds", "Reading + features + policy + guard, seconds",
+                                    buckets=(.002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5), registry=reg)
+        self.decisions = Counter("apex_scaler_decisions", "Decisions made", ["mode"], registry=reg)
+        self.fallbacks = Counter("apex_scaler_fallbacks", "Decisions that fell back to the rule", ["reason"], registry=reg)
+        self.guarded = Counter("apex_scaler_guarded", "Learned replicas the guard moved", ["kind", "class"], registry=reg)
+        self.shadow = Counter("apex_scaler_shadow_decisions", "Decisions logged without acting", registry=reg)
+        self.replicas = Gauge("apex_scaler_replicas", "Replicas per class", ["class", "source"], registry=reg)
+        for r in FALLBACK_REASONS:
+            self.fallbacks.labels(r)
+        for c in classes:
+            for kind in ("band", "rate_limit", "bounds"):
+                self.guarded.labels(kind, c)
+
+
+@dataclass
+class Decision:
+    t: float
+    mode: str
+    applied: np.ndarray  # [K] replicas set
+    rule: Optional[np.ndarray]
+    learned: Optional[np.ndarray]  # the policy's replicas before the guard
+    guarded: Optional[np.ndarray]  # after the guard
+    fallback: Optional[str]  # reason, None when the learned decision stood (control) or was computed (shadow)
+    problems: list
+    levels: dict
+    query_s: float
+    decide_s: float
+
+    def to_json(self, classes) -> dict:
+        def lst(a):
+            return None if a is None else [int(x) for x in a]
+        return {"t": self.t, "mode": self.mode, "classes": list(classes), "applied": lst(self.applied),
+                "rule": lst(self.rule), "learned": lst(self.learned), "guarded": lst(self.guarded),
+                "fallback": self.fallback, "problems": self.problems[:20],
+                "levels": {k: (v if isinstance(v, int) else [int(x) for x in v]) for k, v in self.levels.items()},
+                "query_s": round(self.query_s, 6), "decide_s": round(self.decide_s, 6)}
+
+
+def reading_from_sim(sim, obs):
+    """The Reading the simulator's own state gives (shard 0): what the controller decides on
+    inside the simulator, to compare with the same decisions on live telemetry."""
+    from apex_bdq.telemetry import Reading
+    from apex_bdq.sim.platform import Observation
+    mon = sim.monitored()
+    return Reading(t=float(sim.t), obs=Observation(macro=obs.macro[:1].copy(), micro=obs.micro[:1].copy()),
+                   utilisation=mon["utilisation"][0].astype(np.float64), ready=sim.active[0].astype(np.float64),
+                   spec=sim.target[0].astype(np.float64), problems=[], query_s=0.0,
+                   in_flight=mon["load"][0].astype(np.float64))
+
+
+class Controller:
+    """Decides the replicas of one service's K classes; thread-safe (`current` serves the
+    newest decision, deciding again once it is `sync_s` old)."""
+
+    def __init__(self, sim: SimConfig, policy, ctl: ControlConfig = ControlConfig(),
+                 read: Optional[Callable] = None, classes=None, log_path: Optional[str] = None,
+                 clock: Callable[[], float] = time.time, metrics: Optional[ControllerMetrics] = None) -> None:
+        from apex_bdq.sim.baselines import HPA
+        from apex_bdq.sim.platform_v2 import default_action_v2
+        if sim.platform != "v2":
+            raise ControlError("the controller decides for platform v2 policies")
+        self.sim, self.policy, self.ctl, self.read = sim, policy, ctl, read
+        self.K = K = sim.num_classes
+        self.classes = tuple(classes) if classes is not None else tuple(f"class{k}" for k in range(K))
+        self.clock = clock
+        self.metrics = metrics or ControllerMetrics(self.classes)
+        sc = Scales(sim)
+        self.mu = sc.mu.astype(np.float64)
+        svc = 1.0 / self.mu
+        slo = np.asarray(sim.slo_factor, dtype=np.float64) * svc
+        self.sizing = SizingTable.build(svc, slo, [ctl.max_replicas] * K, max(1, ctl.min_replicas))
+        self.plan = np.asarray(sim.plan_factors, dtype=np.float64)
+        block = ctl.sync_s  # a hold counts sync periods, as the simulator counts 15-s blocks
+        self.hold_blocks = np.array([math.ceil(h / block - 1e-9) for h in sim.hold_s], dtype=np.int64)
+        d = np.asarray(default_action_v2(sim))
+        self.default = {"plan": d[:K].copy(), "hold": d[K:2 * K].copy(), "admission": int(d[-1])}
+        self.levels = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in self.default.items()}
+        self.hpa = HPA(target_utilisation=ctl.hpa_target_utilisation, period_s=ctl.sync_s)
+        self.hold: Optional[HoldWindow] = None
+        self.applied: Optional[np.ndarray] = None
+        self.last: Optional[Decision] = None
+        self._lock = threading.Lock()
+        self.log_path = log_path
+        self._log = open(log_path, "a", buffering=1) if log_path else None
+        self.counts = {r: 0 for r in FALLBACK_REASONS}
+        self.counts.update(decisions=0, band=0, rate_limit=0, bounds=0)
+
+    # -- the decision -----------------------------------------------------------------------------
+    def current(self, t: Optional[float] = None) -> Decision:
+        t = self.clock() if t is None else t
+        with self._lock:
+            if self.last is None or t - self.last.t >= self.ctl.sync_s - 1e-6:
+                self._decide_locked(t, self.read(t, self.levels))
+            return self.last
+
+    def decide(self, t: float, reading=None) -> Decision:
+        """Decide at time t on `reading` (default: read the platform now)."""
+        with self._lock:
+            return self._decide_locked(t, reading if reading is not None else self.read(t, self.levels))
+
+    def _learned(self, reading) -> tuple[Optional[np.ndarray], Optional[str], dict]:
+        """(replicas [K], fallback reason or None, levels) of the policy on a good reading."""
+        K = self.K
+        try:
+            actions, _ = self.policy.decide(reading.obs.macro, reading.obs.micro)
+        except Exception as e:  # noqa: BLE001 - a policy error falls back, it never stops the scaler
+            return None, f"policy_error: {type(e).__name__}: {str(e)[:120]}", self.default
+        a = np.asarray(actions)[0]
+        guard = getattr(self.policy, "guard", None)
+        if guard is not None and not bool(guard.inside(reading.obs.macro)[0]):
+            return None, "out_of_range", self.default
+        levels = {"plan": a[:K].astype(np.int64), "hold": a[K:2 * K].astype(np.int64), "admission": int(a[-1])}
+        rate = np.asarray(reading.in_flight, dtype=np.float64) * self.mu
+        plan = replicas_for((rate * self.plan[levels["plan"]])[None], self.sizing).astype(np.int32)
+        if self.hold is None:
+            self.hold = HoldWindow(plan, self.hold_blocks, 1)
+        held = self.hold.target(plan, levels["hold"][None])[0]
+        self.hold.step()
+        return held.astype(np.int64), None, levels
+
+    def _decide_locked(self, t: float, reading) -> Decision:
+        t_start = time.perf_counter()
+        ctl, K, m = self.ctl, self.K, self.metrics
+        lo, hi = ctl.min_replicas, ctl.max_replicas
+        current = self.applied
+        if current is None and reading.spec is not None:
+            current = np.asarray(reading.spec, dtype=np.int64)
+        # 2. the rule on the same telemetry
+        rule = None
+        if reading.utilisation is not None and reading.ready is not None:
+            if not hasattr(self.hpa, "recs"):
+                self.hpa.start(current if current is not None else np.full(K, lo))
+            rule = self.hpa.sync(np.asarray(reading.utilisation), np.asarray(reading.ready), lo, hi).copy()
+        # 3. the policy
+        learned = guarded = None
+        fallback = None
+        if reading.problems or reading.obs is None:
+            kinds = [p.split(":", 1)[0] for p in reading.problems] or ["missing"]
+            fallback = next((k for k in FALLBACK_REASONS if k in kinds), kinds[0])
+            levels = self.default
+        else:
+            learned, fallback, levels = self._learned(reading)
+            if fallback is not None and fallback.startswith("policy_error"):
+                reading.problems.append(fallback)
+                fallback = "policy_error"
+        # 4. the guard
+        if learned is not None:
+            g = learned.copy()
+            ref = rule if rule is not None else current
+            if ref is not None:
+                band_lo = np.floor(ref * (1 - ctl.band_below)).astype(np.int64)
+                band_hi = np.ceil(ref * (1 + ctl.band_above)).astype(np.int64)
+                banded = np.clip(g, band_lo, band_hi)
+                self._count("band", banded != g)
+                g = banded
+            if current is not None:
+                up = np.maximum(np.floor(current * (1 + ctl.step_up_pct / 100.0)), current + ctl.step_up_pods)
+                down = np.ceil(current * (1 - ctl.step_down_pct / 100.0))
+                limited = np.clip(g, down, up).astype(np.int64)
+                self._count("rate_limit", limited != g)
+                g = limited
+            bounded = np.clip(g, lo, hi)
+            self._count("bounds", bounded != g)
+            guarded = bounded
+        # 5. what is applied
+        if fallback is not None:
+            applied = rule if rule is not None else (current if current is not None else np.full(K, lo))
+            self.counts[fallback] = self.counts.get(fallback, 0) + 1
+            m.fallbacks.labels(fallback).inc()
+        elif ctl.mode == "control":
+            applied = guarded
+        else:
+            applied = rule if rule is not None else current
+            m.shadow.inc()
+        applied = np.asarray(applied, dtype=np.int64)
+        self.applied = applied
+        self.levels = levels  # the policy's state in its next observation (the rule's setting after a fallback)
+        decide_s = time.perf_counter() - t_start + reading.query_s
+        d = Decision(t=float(t), mode=ctl.mode, applied=applied, rule=rule, learned=learned, guarded=guarded,
+                     fallback=fallback, problems=list(reading.problems), levels=levels, query_s=reading.query_s,
+                     decide_s=decide_s)
+        self.last = d
+        self.counts["decisions"] += 1
+        m.decisions.labels(ctl.mode).inc()
+        m.decision_s.observe(decide_s)
+        for k, c in enumerate(self.classes):
+            m.replicas.labels(c, "applied").set(float(applied[k]))
+            if rule is not None:
+                m.replicas.labels(c, "rule").set(float(rule[k]))
+            if guarded is not None:
+                m.replicas.labels(c, "learned").set(float(guarded[k]))
+        if self._log is not None:
+            self._log.write(json.dumps(d.to_json(self.classes)) + "\n")
+        return d
+
+    def _count(self, kind: str, moved: np.ndarray) -> None:
+        for k in np.nonzero(moved)[0]:
+            self.counts[kind] += 1
+            self.metrics.guarded.labels(kind, self.classes[k]).inc()
+
+    def close(self) -> None:
+        if self._log is not None:
+            self._log.flush()
+            os.fsync(self._log.fileno())
+            self._log.close()
+            self._log = None
+
+
+def read_log(path: str | Path) -> list[dict]:
+    """The decisions of a controller's JSON-lines log (a torn last line is skipped)."""
+    out = []
+    with open(path) as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out

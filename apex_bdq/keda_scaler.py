@@ -1,0 +1,133 @@
+"""KEDA external scaler: a gRPC service (KEDA's `externalscaler.proto`) that answers each
+ScaledObject — one per request class / Deployment — with the metric that makes KEDA's HPA
+reach the controller's replica count.
+
+A ScaledObject's trigger names its class in the metadata (`class: <name>`, as in the
+telemetry config). `GetMetricSpec` answers the metric `apex-bdq-<class>` with target 1
+(AverageValue); `GetMetrics` answers the class's replicas from the newest decision
+(`Controller.current`), so HPA's formula ceil(value / target) sets exactly those replicas.
+`IsActive` is true unless the class allows scale to zero (`allowZero: "true"` in the
+metadata) and the decision is zero replicas; `StreamIsActive` pushes it every `stream_s`.
+The messages are built from the .proto at run time (grpcio-tools), nothing generated is
+committed.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from concurrent import futures
+from pathlib import Path
+from typing import Optional
+
+PROTO_DIR = Path(__file__).parent / "proto"
+METRIC_PREFIX = "apex-bdq-"
+
+
+def load_proto():
+    """(messages, services) modules of externalscaler.proto (compiled in memory)."""
+    import grpc
+    if str(PROTO_DIR) not in sys.path:
+        sys.path.append(str(PROTO_DIR))
+    return grpc.protos_and_services("externalscaler.proto")
+
+
+class ScalerError(ValueError):
+    pass
+
+
+def make_servicer(controller, stream_s: float = 5.0):
+    pb, svc = load_proto()
+    import grpc
+
+    index = {c: k for k, c in enumerate(controller.classes)}
+
+    def class_of(ref, context) -> int:
+        name = ref.scalerMetadata.get("class", "")
+        if name not in index:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"ScaledObject {ref.namespace}/{ref.name}: metadata class={name!r} is not one of "
+                          f"{list(index)}")
+        return index[name]
+
+    def allow_zero(ref) -> bool:
+        return ref.scalerMetadata.get("allowZero", "false").lower() == "true"
+
+    class Servicer(svc.ExternalScalerServicer):
+        def IsActive(self, request, context):
+            k = class_of(request, context)
+            d = controller.current()
+            return pb.IsActiveResponse(result=bool(d.applied[k] > 0 or not allow_zero(request)))
+
+        def StreamIsActive(self, request, context):
+            k = class_of(request, context)
+            while context.is_active():
+                d = controller.current()
+                yield pb.IsActiveResponse(result=bool(d.applied[k] > 0 or not allow_zero(request)))
+                time.sleep(stream_s)
+
+        def GetMetricSpec(self, request, context):
+            k = class_of(request, context)
+            return pb.GetMetricSpecResponse(metricSpecs=[pb.MetricSpec(
+                metricName=METRIC_PREFIX + controller.classes[k], targetSize=1, targetSizeFloat=1.0)])
+
+        def GetMetrics(self, request, context):
+            k = class_of(request.scaledObjectRef, context)
+            d = controller.current()
+            v = int(d.applied[k])
+            return pb.GetMetricsResponse(metricValues=[pb.MetricValue(
+                metricName=request.metricName or METRIC_PREFIX + controller.classes[k], metricValue=v,
+                metricValueFloat=float(v))])
+
+    return Servicer(), svc
+
+
+class ScalerServer:
+    """The gRPC server (insecure on `host`, or TLS with cert/key files) plus a loop that
+    decides every `sync_s` even when KEDA does not ask (shadow mode logs on its own)."""
+
+    def __init__(self, controller, host: str = "127.0.0.1", port: int = 0, tls: Optional[tuple] = None,
+                 loop: bool = True, stream_s: float = 5.0, workers: int = 8) -> None:
+        import grpc
+        self.controller = controller
+        servicer, svc = make_servicer(controller, stream_s)
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="keda"))
+        svc.add_ExternalScalerServicer_to_server(servicer, self.server)
+        addr = f"{host}:{port}"
+        if tls:
+            cert, key = (Path(p).read_bytes() for p in tls)
+            self.port = self.server.add_secure_port(addr, grpc.ssl_server_credentials([(key, cert)]))
+        else:
+            self.port = self.server.add_insecure_port(addr)
+        if self.port == 0:
+            raise ScalerError(f"cannot listen on {addr}")
+        self.server.start()
+        self._stop = threading.Event()
+        self._thread = None
+        if loop:
+            self._thread = threading.Thread(target=self._loop, name="decide", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.controller.current()
+            except Exception as e:  # noqa: BLE001 - the loop logs and keeps deciding
+                print(f"apex-bdq scaler: decision failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            self._stop.wait(min(1.0, self.controller.ctl.sync_s / 3))
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        self._stop.set()
+        self.server.stop(grace_s).wait()
+        if self._thread is not None:
+            self._thread.join(5)
+        self.controller.close()
+
+
+def client(target: str):
+    """(stub, messages) for a scaler at host:port (what KEDA is, for tests and benches)."""
+    import grpc
+    pb, svc = load_proto()
+    channel = grpc.insecure_channel(target)
+    return svc.ExternalScalerStub(channel), pb, channel

@@ -1,0 +1,312 @@
+"""Into a real platform: Prometheus -> reader -> policy -> KEDA scaler (gRPC) -> replicas.
+
+The Prometheus tests run Debian's `prometheus` (and `promtool`) for real and skip, naming
+the reason, where it is not installed (`.ci/run` installs it); the KEDA side is exercised
+by a real gRPC client built from the same .proto.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from apex_bdq.config import GuardConfig, NetConfig, SimConfig
+from apex_bdq.control import (FALLBACK_REASONS, ControlConfig, ControlError, Controller, hpa_desired, read_log,
+                              reading_from_sim)
+from apex_bdq.networks import BDQNetwork
+from apex_bdq.replay_platform import PrometheusUnavailable, ReplayPlatform, prometheus_binaries
+from apex_bdq.serving import Policy
+from apex_bdq.sim.platform_v2 import MICRO_FEATURES_V2, macro_names
+from apex_bdq.telemetry import Reading, TelemetryConfig, TelemetryError, TelemetryReader
+
+CFG = SimConfig()
+
+
+def _have_prometheus() -> str:
+    try:
+        prometheus_binaries()
+        return ""
+    except PrometheusUnavailable as e:
+        return str(e)
+
+
+needs_prometheus = pytest.mark.skipif(bool(_have_prometheus()), reason=_have_prometheus() or "-")
+
+
+def random_policy(seed: int = 0, guard=None) -> Policy:
+    import torch
+    torch.manual_seed(seed)
+    return Policy(BDQNetwork(NetConfig.for_sim(CFG)).eval(), 0, "random-test", guard=guard)
+
+
+def telemetry_for(p: ReplayPlatform, url: str, **kw) -> TelemetryConfig:
+    return TelemetryConfig(url=url, classes=tuple(p.classes), deployments=tuple(f"shop-{c}" for c in p.classes),
+                           selector='service="shop"', clock_offset_s=p.clock_offset_s, **kw)
+
+
+# -- without Prometheus ---------------------------------------------------------------------------
+def test_hpa_desired_follows_the_hpa_formula():
+    cur = np.array([10, 10, 10, 0, 4])
+    val = np.array([10.0, 10.9, 12.0, 3.0, 1.0])
+    # within 10 % of the current: unchanged; beyond: ceil(value / target); from zero: the value
+    assert hpa_desired(cur, val).tolist() == [10, 10, 12, 3, 1]
+    assert hpa_desired(cur, val, tolerance=0.0).tolist() == [10, 11, 12, 3, 1]
+    assert hpa_desired(np.array([4]), np.array([9.0]), target=2.0).tolist() == [5]
+
+
+def test_bad_telemetry_and_control_configs_are_named():
+    with pytest.raises(TelemetryError, match="url"):
+        TelemetryConfig(url="localhost:9090", classes=("a",), deployments=("a",))
+    with pytest.raises(TelemetryError, match="one entry per class"):
+        TelemetryConfig(url="http://x", classes=("a", "b"), deployments=("a",))
+    with pytest.raises(TelemetryError, match="unknown telemetry keys"):
+        TelemetryConfig.from_dict({"url": "http://x", "classes": ["a"], "deployments": ["a"], "lag": 3})
+    with pytest.raises(TelemetryError, match="policy has 4"):
+        TelemetryReader(TelemetryConfig(url="http://x", classes=("a",), deployments=("a",)), CFG)
+    with pytest.raises(ControlError, match="mode"):
+        ControlConfig(mode="auto")
+    with pytest.raises(ControlError, match="band_below"):
+        ControlConfig(band_below=1.5)
+    with pytest.raises(ControlError, match="unknown control keys"):
+        ControlConfig.from_dict({"modee": "shadow"})
+
+
+def _sim_reading(seed=3, ticks=200):
+    p = ReplayPlatform(CFG, seed=seed)
+    for _ in range(ticks):
+        p.step()
+    return p, reading_from_sim(p.sim, p.obs)
+
+
+def test_controller_guards_the_learned_replicas():
+    class Greedy:  # always the largest plan factor and the longest hold: far above the rule
+        guard = None
+
+        def decide(self, macro, micro):
+            return np.full((1, CFG.num_branches), CFG.sub_actions - 1) * np.r_[np.ones(2 * CFG.num_classes), 0], None
+
+    p, r = _sim_reading()
+    ctl = ControlConfig(mode="control", band_below=0.1, band_above=0.05, step_up_pods=1, step_up_pct=5.0)
+    c = Controller(CFG, Greedy(), ctl, classes=p.classes)
+    d = c.decide(0.0, r)
+    assert d.fallback is None and d.rule is not None
+    cur = r.spec.astype(np.int64)
+    assert (d.guarded <= d.learned).all() and (d.guarded < d.learned).any()
+    # within the band around the rule and within one step of what is in place
+    assert (d.guarded <= np.ceil(d.rule * 1.05)).all()
+    assert (d.guarded <= np.maximum(np.floor(cur * 1.05), cur + 1)).all()
+    assert (d.applied == d.guarded).all()
+    assert c.counts["band"] + c.counts["rate_limit"] > 0
+    text = _exposition(c)
+    assert 'apex_scaler_guarded_total{class="class0",kind="band"}' in text
+
+
+def _exposition(c: Controller) -> str:
+    from prometheus_client import generate_latest
+    return generate_latest(c.metrics.registry).decode()
+
+
+def test_shadow_mode_applies_the_rule_and_logs_the_policy(tmp_path):
+    p, r = _sim_reading()
+    log = tmp_path / "shadow.jsonl"
+    c = Controller(CFG, random_policy(), ControlConfig(mode="shadow"), classes=p.classes, log_path=str(log))
+    d1 = c.decide(0.0, r)
+    p.step()
+    d2 = c.decide(15.0, reading_from_sim(p.sim, p.obs))
+    c.close()
+    for d in (d1, d2):
+        assert d.fallback is None and d.learned is not None
+        assert (d.applied == d.rule).all()
+    rows = read_log(log)
+    assert [row["t"] for row in rows] == [0.0, 15.0]
+    assert rows[0]["applied"] == d1.rule.tolist() and rows[0]["learned"] == d1.learned.tolist()
+    assert "apex_scaler_shadow_decisions_total 2.0" in _exposition(c)
+
+
+def test_every_fallback_path_falls_back_to_the_rule_and_is_counted():
+    from apex_bdq.guard import Guard
+    p, good = _sim_reading()
+    ctl = ControlConfig(mode="control")
+
+    def bad(problem, keep_rule=True):
+        return Reading(t=0.0, obs=None, utilisation=good.utilisation if keep_rule else None,
+                       ready=good.ready if keep_rule else None, spec=good.spec, problems=[problem], query_s=0.0)
+
+    for reason in ("timeout", "missing", "stale", "query_failed", "not_finite"):
+        c = Controller(CFG, random_policy(), ctl, classes=p.classes)
+        d = c.decide(0.0, bad(f"{reason}:x:class0"))
+        assert d.fallback == reason and d.learned is None
+        assert (d.applied == d.rule).all()
+        assert c.counts[reason] == 1
+        assert f'apex_scaler_fallbacks_total{{reason="{reason}"}} 1.0' in _exposition(c)
+    # the rule's own inputs missing too: the replicas in place are held
+    c = Controller(CFG, random_policy(), ctl, classes=p.classes)
+    d = c.decide(0.0, bad("missing:ready:class0", keep_rule=False))
+    assert d.rule is None and (d.applied == good.spec.astype(np.int64)).all()
+    # out of range: coverage that no load shape lies in
+    K = CFG.num_classes
+    narrow = Guard.build(GuardConfig(ood_margin=0.0), CFG, np.full(3 * K, 100.0), np.full(3 * K, 101.0))
+    c = Controller(CFG, random_policy(guard=narrow), ctl, classes=p.classes)
+    d = c.decide(0.0, good)
+    assert d.fallback == "out_of_range" and (d.applied == d.rule).all()
+
+    class Broken:
+        guard = None
+
+        def decide(self, macro, micro):
+            raise RuntimeError("weights gone")
+
+    c = Controller(CFG, Broken(), ctl, classes=p.classes)
+    d = c.decide(0.0, good)
+    assert d.fallback == "policy_error" and any("weights gone" in x for x in d.problems)
+    assert set(FALLBACK_REASONS) >= {"timeout", "missing", "stale", "query_failed", "not_finite", "out_of_range",
+                                     "policy_error"}
+
+
+# -- with a real Prometheus ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def replay():
+    if _have_prometheus():
+        pytest.skip(_have_prometheus())
+    from apex_bdq.replay_platform import ReplayLoop
+    p = ReplayPlatform(CFG, seed=1)
+    loop = ReplayLoop(p, horizon_ticks=400)
+    yield p, loop
+    loop.close()
+
+
+@needs_prometheus
+@pytest.mark.slow
+def test_reader_builds_the_simulators_observation_from_prometheus(replay):
+    p, loop = replay
+    rd = TelemetryReader(telemetry_for(p, loop.url, stale_s=5), p.cfg)
+    try:
+        first = rd.read(p.now)  # no live history yet: counters and gauges of the last minutes are missing
+        assert not first.ok and any(x.startswith("missing:") for x in first.problems)
+        while p.tick < 200:
+            loop.step()
+        names = np.array(macro_names(CFG))
+        coarse = np.array(["rate_block" in n for n in names])
+        for _ in range(3):
+            r = rd.read(p.now)
+            assert r.ok, r.problems
+            a, b = r.obs.macro[0], p.obs.macro[0]
+            # History before the replay: the trace's mean over a block vs the simulator's
+            # sample at its middle; every other macro feature matches closely.
+            assert np.abs(a - b)[coarse].max() < 0.05 * max(1.0, np.abs(b[coarse]).max()), names[coarse]
+            err = np.abs(a - b)[~coarse]
+            assert err.max() < 0.02, (names[~coarse][np.argmax(err)], err.max())
+            ma, mb = r.obs.micro[0], p.obs.micro[0]
+            exact = [i for i, f in enumerate(MICRO_FEATURES_V2) if f != "p99_over_slo"]
+            np.testing.assert_allclose(ma[..., exact], mb[..., exact], rtol=1e-4, atol=1e-4)
+            p99 = MICRO_FEATURES_V2.index("p99_over_slo")
+            assert np.median(np.abs(ma[..., p99] - mb[..., p99])) < 0.1  # interpolated within histogram buckets
+            for _ in range(37):
+                loop.step()
+    finally:
+        rd.close()
+
+
+@needs_prometheus
+@pytest.mark.slow
+def test_reader_reports_stale_series_timeouts_and_bad_queries(replay):
+    p, loop = replay
+    while p.tick < 150:
+        loop.step()
+    bad_cases = [
+        (telemetry_for(p, loop.url, stale_s=5), p.now + 30, "stale:"),  # nothing scraped for 30 s
+        (telemetry_for(p, loop.url, timeout_s=1e-6), p.now, "timeout:"),
+        (TelemetryConfig(url=loop.url, classes=("class0", "class1", "class2", "nope"),
+                         deployments=tuple(f"shop-{c}" for c in p.classes), selector='service="shop"'),
+         p.now, "missing:"),
+        (TelemetryConfig(url=loop.url, classes=tuple(p.classes), deployments=tuple(f"shop-{c}" for c in p.classes),
+                         selector='service=~"('), p.now, "query_failed:"),
+    ]
+    for tel, t, want in bad_cases:
+        rd = TelemetryReader(tel, p.cfg)
+        try:
+            r = rd.read(t)
+        finally:
+            rd.close()
+        assert r.obs is None and any(x.startswith(want) for x in r.problems), (want, r.problems[:4])
+        if want == "missing:":
+            assert any(x.endswith(":nope") for x in r.problems)
+
+
+@needs_prometheus
+@pytest.mark.slow
+def test_keda_closed_loop_follows_the_simulators_decisions(tmp_path):
+    """Prometheus -> reader -> policy -> KEDA scaler (real gRPC client) -> HPA's formula ->
+    the replaying platform, over 7.5 minutes of a held-out day; the same policy decided on
+    the simulator's own state gives nearly the same replica curve."""
+    import grpc
+    from prometheus_client import generate_latest
+
+    from apex_bdq.keda_scaler import ScalerServer, client
+    from apex_bdq.replay_platform import ReplayLoop
+    warm, n, sync = 150, 450, 15
+    policy = random_policy(seed=7)
+    log = tmp_path / "decisions.jsonl"
+
+    p = ReplayPlatform(CFG, seed=5)
+    live, answered = [], []
+    with ReplayLoop(p, horizon_ticks=warm + n + 10) as loop:
+        rd = TelemetryReader(telemetry_for(p, loop.url, stale_s=5), p.cfg)
+        ctl = Controller(p.cfg, policy, ControlConfig(mode="control"), read=rd.read, classes=p.classes,
+                         clock=lambda: p.now, log_path=str(log))
+        srv = ScalerServer(ctl, loop=False)
+        stub, pb, channel = client(f"127.0.0.1:{srv.port}")
+        try:
+            refs = [pb.ScaledObjectRef(name=f"shop-{c}", namespace="default", scalerMetadata={"class": c})
+                    for c in p.classes]
+            specs = [stub.GetMetricSpec(r).metricSpecs[0] for r in refs]
+            assert [s.metricName for s in specs] == [f"apex-bdq-{c}" for c in p.classes]
+            assert all(s.targetSize == 1 and s.targetSizeFloat == 1.0 for s in specs)
+            with pytest.raises(grpc.RpcError) as e:
+                stub.GetMetricSpec(pb.ScaledObjectRef(name="x", namespace="default", scalerMetadata={"class": "zz"}))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "zz" in e.value.details()
+            for _ in range(warm):
+                loop.step()
+            reps = None
+            for i in range(n):
+                if i % sync == 0:
+                    vals = [stub.GetMetrics(pb.GetMetricsRequest(scaledObjectRef=r, metricName=s.metricName))
+                            .metricValues[0].metricValueFloat for r, s in zip(refs, specs)]
+                    answered.append([int(v) for v in vals])
+                    reps = hpa_desired(p.sim.target[0], np.array(vals), specs[0].targetSizeFloat)
+                    live.append(reps.copy())
+                loop.step(replicas=reps)
+            assert stub.IsActive(refs[0]).result is True
+            stream = stub.StreamIsActive(refs[1])
+            assert next(stream).result is True
+            stream.cancel()
+            metrics = generate_latest(ctl.metrics.registry).decode()
+        finally:
+            channel.close()
+            srv.stop()
+            rd.close()
+    # one decision per sync period of the loop, one more for IsActive a period after the last
+    assert ctl.counts["decisions"] == n // sync + 1 and all(ctl.counts[r] == 0 for r in FALLBACK_REASONS)
+    assert "apex_scaler_decision_seconds_bucket" in metrics and 'apex_scaler_decisions_total{mode="control"}' in metrics
+    rows = read_log(log)
+    assert len(rows) == n // sync + 1 and all(r["fallback"] is None for r in rows)
+    assert [r["applied"] for r in rows[:-1]] == answered  # what KEDA was told is what the log says
+
+    # The same policy on the simulator's own state, same arrivals (same seed), same cadence.
+    q = ReplayPlatform(CFG, seed=5)
+    ref_ctl = Controller(q.cfg, policy, ControlConfig(mode="control"), classes=q.classes)
+    for _ in range(warm):
+        q.step()
+    sim_curve = []
+    for i in range(n):
+        if i % sync == 0:
+            d = ref_ctl.decide(float(q.tick), reading_from_sim(q.sim, q.obs))
+            reps = hpa_desired(q.sim.target[0], d.applied.astype(float))
+            sim_curve.append(reps.copy())
+        q.step(replicas=reps)
+    a, b = np.array(live), np.array(sim_curve)
+    rel = np.abs(a - b) / np.maximum(b, 1)
+    (tmp_path / "curves.json").write_text(json.dumps({"live": a.tolist(), "sim": b.tolist()}))
+    assert rel.mean() < 0.08 and (a == b).mean() > 0.5, (rel.mean(), (a == b).mean())
