@@ -134,13 +134,14 @@ class Decision:
     levels: dict
     query_s: float
     decide_s: float
+    needed: Optional[np.ndarray] = None  # [K] fewest replicas meeting the SLO at the monitored rate (the queueing model)
 
     def to_json(self, classes) -> dict:
         def lst(a):
             return None if a is None else [int(x) for x in a]
         return {"t": self.t, "mode": self.mode, "classes": list(classes), "applied": lst(self.applied),
                 "rule": lst(self.rule), "learned": lst(self.learned), "guarded": lst(self.guarded),
-                "fallback": self.fallback, "problems": self.problems[:20],
+                "needed": lst(self.needed), "fallback": self.fallback, "problems": self.problems[:20],
                 "levels": {k: (v if isinstance(v, int) else [int(x) for x in v]) for k, v in self.levels.items()},
                 "query_s": round(self.query_s, 6), "decide_s": round(self.decide_s, 6)}
 
@@ -284,8 +285,11 @@ class Controller:
         applied = np.asarray(applied, dtype=np.int64)
         self.applied = applied
         self.levels = levels  # the policy's state in its next observation (the rule's setting after a fallback)
+        needed = None
+        if reading.in_flight is not None and np.isfinite(reading.in_flight).all():
+            needed = replicas_for((np.maximum(reading.in_flight, 0.0) * self.mu)[None], self.sizing)[0]
         decide_s = time.perf_counter() - t_start + reading.query_s
-        d = Decision(t=float(t), mode=ctl.mode, applied=applied, rule=rule, learned=learned, guarded=guarded,
+        d = Decision(needed=needed, t=float(t), mode=ctl.mode, applied=applied, rule=rule, learned=learned, guarded=guarded,
                      fallback=fallback, problems=list(reading.problems), levels=levels, query_s=reading.query_s,
                      decide_s=decide_s)
         self.last = d

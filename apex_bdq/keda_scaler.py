@@ -131,3 +131,33 @@ def client(target: str):
     pb, svc = load_proto()
     channel = grpc.insecure_channel(target)
     return svc.ExternalScalerStub(channel), pb, channel
+
+
+class KedaHpa:
+    """What KEDA and the HPA it creates do with this scaler, for tests, the replay demo and
+    the bench: one ScaledObject per class (metadata `class`), GetMetricSpec once, then every
+    sync period GetMetrics per class and HPA's formula for an AverageValue target
+    (`control.hpa_desired`, tolerance 0.1 unless the HPA's behavior sets it)."""
+
+    def __init__(self, target: str, classes, namespace: str = "default", tolerance: float = 0.1,
+                 deployment_prefix: str = "") -> None:
+        self.stub, self.pb, self.channel = client(target)
+        self.tolerance = tolerance
+        self.refs = [self.pb.ScaledObjectRef(name=f"{deployment_prefix}{c}", namespace=namespace,
+                                             scalerMetadata={"class": c}) for c in classes]
+        self.specs = [self.stub.GetMetricSpec(r).metricSpecs[0] for r in self.refs]
+
+    def sync(self, current):
+        """(replicas HPA sets [K], metric values KEDA read [K], seconds the K calls took)."""
+        import numpy as np
+
+        from apex_bdq.control import hpa_desired
+        t = time.perf_counter()
+        vals = np.array([self.stub.GetMetrics(self.pb.GetMetricsRequest(scaledObjectRef=r, metricName=s.metricName))
+                         .metricValues[0].metricValueFloat for r, s in zip(self.refs, self.specs)])
+        took = time.perf_counter() - t
+        target = np.array([s.targetSizeFloat or float(s.targetSize) for s in self.specs])
+        return hpa_desired(current, vals, target, self.tolerance), vals, took
+
+    def close(self) -> None:
+        self.channel.close()
