@@ -446,6 +446,19 @@ def build_app(opts: ServeOptions):
                             )(DecisionService).bind(opts)
 
 
+def app_builder(args: dict):
+    """The Serve config entry point: `import_path: apex_bdq.serve_app:app_builder` with `args`
+    holding ServeOptions fields (`serve run deploy/serve_config.yaml`, `serve deploy`, KubeRay's
+    RayService). The feedback token comes from $APEX_BDQ_FEEDBACK_TOKEN_FILE or
+    $APEX_BDQ_FEEDBACK_TOKEN, never from the config file."""
+    import dataclasses
+    allowed = {f.name for f in dataclasses.fields(ServeOptions)} - {"feedback_token"}
+    bad = set(args or {}) - allowed
+    if bad:
+        raise ValueError(f"unknown Serve app args {sorted(bad)}; allowed: {sorted(allowed)}")
+    return build_app(ServeOptions(**(args or {}), feedback_token=S.load_token(None)))
+
+
 def ensure_preference_actor(net_cfg, log_path: str):
     """A preference actor for feedback over HTTP when no training run has one: it writes the
     same durable log a later run reads with `--set pref.log_path=...`."""
