@@ -40,6 +40,7 @@ from apex_bdq.config import SimConfig
 from apex_bdq.features import Scales
 from apex_bdq.sizing import HoldWindow, SizingTable, replicas_for
 
+IDLE_IN_FLIGHT = 1e-3  # requests in flight (an exponential average) below which a class is idle
 FALLBACK_REASONS = ("timeout", "missing", "stale", "query_failed", "not_finite", "out_of_range", "policy_error")
 
 
@@ -135,6 +136,11 @@ class Decision:
     query_s: float
     decide_s: float
     needed: Optional[np.ndarray] = None  # [K] fewest replicas meeting the SLO at the monitored rate (the queueing model)
+    in_flight: Optional[np.ndarray] = None  # [K] monitored requests in flight (None: not read)
+
+    def idle(self, k: int) -> bool:
+        """Class k has no requests in flight (what scale to zero waits for); unknown: not idle."""
+        return self.in_flight is not None and bool(self.in_flight[k] < IDLE_IN_FLIGHT)
 
     def to_json(self, classes) -> dict:
         def lst(a):
@@ -289,7 +295,8 @@ class Controller:
         if reading.in_flight is not None and np.isfinite(reading.in_flight).all():
             needed = replicas_for((np.maximum(reading.in_flight, 0.0) * self.mu)[None], self.sizing)[0]
         decide_s = time.perf_counter() - t_start + reading.query_s
-        d = Decision(needed=needed, t=float(t), mode=ctl.mode, applied=applied, rule=rule, learned=learned, guarded=guarded,
+        d = Decision(needed=needed, in_flight=None if reading.in_flight is None else np.asarray(reading.in_flight),
+                     t=float(t), mode=ctl.mode, applied=applied, rule=rule, learned=learned, guarded=guarded,
                      fallback=fallback, problems=list(reading.problems), levels=levels, query_s=reading.query_s,
                      decide_s=decide_s)
         self.last = d

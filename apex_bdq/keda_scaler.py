@@ -7,7 +7,8 @@ telemetry config). `GetMetricSpec` answers the metric `apex-bdq-<class>` with ta
 (AverageValue); `GetMetrics` answers the class's replicas from the newest decision
 (`Controller.current`), so HPA's formula ceil(value / target) sets exactly those replicas.
 `IsActive` is true unless the class allows scale to zero (`allowZero: "true"` in the
-metadata) and the decision is zero replicas; `StreamIsActive` pushes it every `stream_s`.
+metadata) and the newest reading shows it idle (no requests in flight; a class whose
+telemetry is missing counts as active); `StreamIsActive` pushes it every `stream_s`.
 The messages are built from the .proto at run time (grpcio-tools), nothing generated is
 committed.
 """
@@ -58,13 +59,13 @@ def make_servicer(controller, stream_s: float = 5.0):
         def IsActive(self, request, context):
             k = class_of(request, context)
             d = controller.current()
-            return pb.IsActiveResponse(result=bool(d.applied[k] > 0 or not allow_zero(request)))
+            return pb.IsActiveResponse(result=not (allow_zero(request) and d.idle(k)))
 
         def StreamIsActive(self, request, context):
             k = class_of(request, context)
             while context.is_active():
                 d = controller.current()
-                yield pb.IsActiveResponse(result=bool(d.applied[k] > 0 or not allow_zero(request)))
+                yield pb.IsActiveResponse(result=not (allow_zero(request) and d.idle(k)))
                 time.sleep(stream_s)
 
         def GetMetricSpec(self, request, context):

@@ -136,6 +136,7 @@ class Reading:
     problems: list[str]
     query_s: float
     in_flight: Optional[np.ndarray] = None  # [K] monitored requests in flight (what the plan sizes for)
+    fetch_s: float = 0.0  # of query_s: until every query had answered (the rest builds the features)
 
     @property
     def ok(self) -> bool:
@@ -295,7 +296,7 @@ class TelemetryReader:
                 problems.append(f"{kind}:{name}: {str(e)[:160]}")
         if problems:
             return Reading(t, None, None, None, None, problems, time.monotonic() - t0)
-        return self._assemble(t, qs, res, levels, problems, t0)
+        return self._assemble(t, qs, res, levels, problems, t0, time.monotonic() - t0)
 
     def _need(self, vec: dict, name: str, kube: bool, problems: list) -> np.ndarray:
         names = self.tel.deployments if kube else self.tel.classes
@@ -321,7 +322,8 @@ class TelemetryReader:
                 out[:, k] = row
         return out
 
-    def _assemble(self, t: int, qs: dict, res: dict, levels: dict, problems: list, t0: float) -> Reading:
+    def _assemble(self, t: int, qs: dict, res: dict, levels: dict, problems: list, t0: float,
+                  fetch_s: float) -> Reading:
         K, H, st, W = self.K, self.H, self.step, self.W
         sc = self.sc
         vec = {n: self._vector(res[n], qs[n][2]) for n, (kind, *_rest) in qs.items() if kind == "q"}
@@ -425,7 +427,8 @@ class TelemetryReader:
         obs = Observation(macro=macro, micro=micro)
         if not (np.isfinite(macro).all() and np.isfinite(micro).all()):
             return Reading(t, None, None, None, None, ["not_finite:observation"], time.monotonic() - t0)
-        return Reading(t, obs, util, ready_now, spec, problems, time.monotonic() - t0, in_flight=in_flight)
+        return Reading(t, obs, util, ready_now, spec, problems, time.monotonic() - t0, in_flight=in_flight,
+                       fetch_s=fetch_s)
 
 
 def ema(x: np.ndarray, alpha: float) -> np.ndarray:

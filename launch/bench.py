@@ -649,7 +649,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m launch.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=["sim", "replay", "apex", "route", "preference", "preference-fit", "serve",
-                                     "feedback-log", "serve-abuse"],
+                                     "feedback-log", "serve-abuse", "scaler"],
                     help="which benchmark")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--repeats", type=int, default=5)
@@ -668,13 +668,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="preference: extra config overrides for the runs with preferences")
     ap.add_argument("--log", help="preference-fit: the feedback log (with held-out pairs) to fit")
-    ap.add_argument("--checkpoint", help="preference-fit: start from this checkpoint's encoders")
+    ap.add_argument("--checkpoint", help="preference-fit: start from this checkpoint's encoders; scaler: the policy "
+                                         "(default runs/train/checkpoint.pt if present)")
     ap.add_argument("--steps", type=int, default=1800, help="preference-fit: preference-only learner steps")
     ap.add_argument("--dense", type=int, default=0,
                     help="preference-fit: train on this many rule-labelled random pairs of the training segments")
     ap.add_argument("--keep", help="preference: keep each run's feedback log and final checkpoint in this folder")
     ap.add_argument("--requests", type=int, default=1000,
-                    help="serve: requests per 1-shard cell (256 shards: /4); feedback-log: pairs x 4")
+                    help="serve: requests per 1-shard cell (256 shards: /4); feedback-log: pairs x 4; "
+                         "scaler: decisions (default 200)")
     ap.add_argument("--folder", help="feedback-log: write in this folder (default: the temp folder)")
     a = ap.parse_args(argv)
     if a.repeats < 1 or a.seconds <= 0:
@@ -695,6 +697,10 @@ def main(argv: list[str] | None = None) -> int:
               f"  attached in place (shared memory): {res['shared_memory_ms']:.3f} ms\n"
               f"  shard RPC through the object store: {res['object_store_ms']:.3f} ms "
               f"({res['object_store_over_shared']:.1f}x)")
+    elif a.what == "scaler":
+        from launch.bench_scaler import bench_scaler, print_scaler
+        res = bench_scaler(decisions=a.requests if a.requests != 1000 else 200, checkpoint=a.checkpoint)
+        print_scaler(res)
     elif a.what == "serve-abuse":
         from launch.bench_serve import bench_serve_abuse
         res = bench_serve_abuse(seconds=max(a.seconds, 5.0))

@@ -165,6 +165,31 @@ def test_every_fallback_path_falls_back_to_the_rule_and_is_counted():
                                      "policy_error"}
 
 
+def test_is_active_scales_an_idle_class_to_zero_only_where_allowed():
+    from apex_bdq.keda_scaler import ScalerServer, client
+    p, r = _sim_reading()
+    r.in_flight = r.in_flight.copy()
+    r.in_flight[3] = 0.0  # class3 idle
+    c = Controller(CFG, random_policy(), ControlConfig(mode="control"), read=lambda t, lv: r, classes=p.classes,
+                   clock=lambda: 0.0)
+    srv = ScalerServer(c, loop=False)
+    stub, pb, channel = client(f"127.0.0.1:{srv.port}")
+    try:
+        def active(cls, allow):
+            md = {"class": cls, **({"allowZero": "true"} if allow else {})}
+            return stub.IsActive(pb.ScaledObjectRef(name=cls, namespace="default", scalerMetadata=md)).result
+        assert active("class3", True) is False
+        assert active("class3", False) is True
+        assert active("class0", True) is True
+        stream = stub.StreamIsActive(pb.ScaledObjectRef(name="class3", namespace="default",
+                                                        scalerMetadata={"class": "class3", "allowZero": "true"}))
+        assert next(stream).result is False
+        stream.cancel()
+    finally:
+        channel.close()
+        srv.stop()
+
+
 # -- with a real Prometheus ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def replay():
@@ -310,3 +335,17 @@ def test_keda_closed_loop_follows_the_simulators_decisions(tmp_path):
     rel = np.abs(a - b) / np.maximum(b, 1)
     (tmp_path / "curves.json").write_text(json.dumps({"live": a.tolist(), "sim": b.tolist()}))
     assert rel.mean() < 0.08 and (a == b).mean() > 0.5, (rel.mean(), (a == b).mean())
+
+
+@needs_prometheus
+@pytest.mark.slow
+def test_scaler_bench_reports_each_stage_and_the_hpa_share():
+    from launch.bench_scaler import bench_scaler
+    r = bench_scaler(decisions=8, checkpoint=None)
+    stages = ("reading", "policy_guard", "answer", "decision", "cached_answer")
+    assert all(r[f"{s}_ms_p50"] > 0 and r[f"{s}_ms_p99"] >= r[f"{s}_ms_p50"] for s in stages)
+    # the stages add up to the end-to-end figure at the median (each measured on its own clock)
+    parts = r["reading_ms_p50"] + r["policy_guard_ms_p50"] + r["answer_ms_p50"]
+    assert abs(parts - r["decision_ms_p50"]) < 0.25 * r["decision_ms_p50"]
+    assert r["hpa_sync_share_p99"] == pytest.approx(r["decision_ms_p99"] / 15e3)
+    assert r["queries_per_decision"] >= 15
