@@ -23,6 +23,68 @@ from typing import Optional
 import numpy as np
 
 
+def account(acct: dict, info: dict) -> None:
+    acct["cost"] += float(info["cost"][0])
+    if info["window_violated"] is not None:
+        acct["windows"] += info["window_violated"].shape[1]
+        acct["violated"] += int(info["window_violated"][0].sum())
+
+
+def summary(acct: dict, ticks: int, cfg) -> dict:
+    return {"cost": acct["cost"] / max(ticks, 1) / cfg.tick_s, "class_windows": acct["windows"],
+            "violated_windows": acct["violated"], "violation_rate": acct["violated"] / max(acct["windows"], 1)}
+
+
+def compare_sim(cfg, policy, ctl_cfg, seed: int, warm: int, n: int, live: list) -> dict:
+    """The same controller deciding on the simulator's own state, same seed (same arrivals),
+    same cadence and HPA formula: the replica curve the live loop should follow."""
+    from apex_bdq.control import Controller, hpa_desired, reading_from_sim
+    from apex_bdq.replay_platform import ReplayPlatform
+    q = ReplayPlatform(cfg, seed=seed)
+    ctl = Controller(cfg, policy, ctl_cfg, classes=q.classes)
+    for _ in range(warm):
+        q.step()
+    sync = max(1, int(round(ctl_cfg.sync_s / cfg.tick_s)))
+    sim_curve, acct = [], {"cost": 0.0, "windows": 0, "violated": 0}
+    reps = q.sim.target[0].astype(np.int64)
+    for i in range(n):
+        if i % sync == 0:
+            d = ctl.decide(float(q.tick), reading_from_sim(q.sim, q.obs))
+            reps = hpa_desired(q.sim.target[0], d.applied.astype(float))
+            sim_curve.append(reps.tolist())
+        _, info = q.step(replicas=reps)
+        account(acct, info)
+    a, b = np.array([c["replicas"] for c in live]), np.array(sim_curve)
+    return {"sim_curve": sim_curve, "exact_share": float((a == b).mean()),
+            "mean_abs_rel_diff": float((np.abs(a - b) / np.maximum(b, 1)).mean()),
+            "sim_platform": summary(acct, n, cfg)}
+
+
+def plot_compare(result: dict, path: Path) -> None:
+    """Per class the replicas the live loop set (KEDA + HPA on the scaler's answers) and the
+    ones the same controller set deciding on the simulator's own state."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from launch._io import save_figure
+    live = np.array([c["replicas"] for c in result["curve"]])
+    sim = np.array(result["compare_sim"]["sim_curve"])
+    t = (np.array([c["t"] for c in result["curve"]]) - result["curve"][0]["t"]) / 60.0
+    classes = result["classes"]
+    fig, axes = plt.subplots(len(classes), 1, figsize=(9, 2.0 * len(classes)), sharex=True, squeeze=False)
+    for k, (ax, c) in enumerate(zip(axes[:, 0], classes)):
+        ax.step(t, sim[:, k], where="post", color="tab:gray", label="simulator's own state")
+        ax.step(t, live[:, k], where="post", color="tab:blue", linestyle="--",
+                label="live: Prometheus -> scaler -> KEDA/HPA")
+        ax.set_ylabel(f"{c}\nreplicas", fontsize=8)
+    axes[0, 0].legend(fontsize=7, loc="upper left")
+    axes[0, 0].set_title(f"{result['mode']} mode: {result['compare_sim']['exact_share']:.0%} of class-decisions equal",
+                         fontsize=9)
+    axes[-1, 0].set_xlabel("platform minutes")
+    save_figure(fig, path)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m launch.platform_replay", description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoint", default="runs/train/checkpoint.pt")
@@ -34,6 +96,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--no-guard", action="store_true", help="the bare network (no observation guard)")
     ap.add_argument("--control", help="YAML/JSON file of control settings (apex_bdq.control.ControlConfig)")
     ap.add_argument("--out", default="runs/platform_replay", help="folder for decisions.jsonl and replicas.json")
+    ap.add_argument("--compare-sim", action="store_true",
+                    help="then run the same controller on the simulator's own state (same arrivals) and report how "
+                         "closely the live loop followed it")
     a = ap.parse_args(argv)
     if a.minutes <= 0 or a.warmup_minutes < 2.5:
         ap.error("--minutes must be > 0 and --warmup-minutes >= 2.5 (the reader needs two accounting windows)")
@@ -67,6 +132,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     curve = []
+    acct = {"cost": 0.0, "windows": 0, "violated": 0}
     t0 = time.time()
     with loop:
         tel = TelemetryConfig(url=loop.url, classes=tuple(platform.classes),
@@ -92,14 +158,29 @@ def main(argv: Optional[list[str]] = None) -> int:
                     curve.append({"t": platform.now, "replicas": reps.tolist(),
                                   "rule": None if d.rule is None else d.rule.tolist(),
                                   "learned": None if d.guarded is None else d.guarded.tolist()})
-                loop.step(replicas=reps)
+                _, info = loop.step(replicas=reps)
+                account(acct, info)
         finally:
             keda.close()
             server.stop()
             reader.close()
-    (out / "replicas.json").write_text(json.dumps({"mode": a.mode, "classes": platform.classes, "curve": curve}))
+    result = {"mode": a.mode, "classes": platform.classes, "minutes": a.minutes, "curve": curve,
+              "platform": summary(acct, n, cfg), "counts": ctl.counts}
     counts = {k: v for k, v in ctl.counts.items() if v}
     print(f"{len(curve)} decisions in {time.time() - t0:.0f} s; counts {counts}")
+    pl = result["platform"]
+    print(f"platform over the {a.minutes:g} minutes: cost {pl['cost']:.3f} (replica-seconds / mean load / s), "
+          f"{pl['violated_windows']} of {pl['class_windows']} class-windows broke the SLO "
+          f"({pl['violation_rate']:.4f})")
+    if a.compare_sim:
+        result["compare_sim"] = compare_sim(cfg, policy, ctl_cfg, a.seed, warm, n, curve)
+        c = result["compare_sim"]
+        print(f"same controller on the simulator's own state: {c['exact_share']:.1%} of class-decisions equal, "
+              f"mean |difference| {c['mean_abs_rel_diff']:.1%} of the replicas")
+    (out / "replicas.json").write_text(json.dumps(result))
+    if a.compare_sim:
+        plot_compare(result, out / "replicas.png")
+        print(f"plot: {out / 'replicas.png'}")
     print(f"log: {log}\nreport: python -m launch.shadow_report {log}")
     return 0
 
