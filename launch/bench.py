@@ -206,6 +206,7 @@ def bench_replay(repeats: int, seconds: float, capacity: int, batch: int, chunk:
         rb.add(chunks[i % 4], prio)
     res["ours_insert_per_s"] = capacity / (time.perf_counter() - t0)
     res["peak_rss_mb"] = _rss_mb("VmHWM")
+    res["ours_insert_kernel"] = rb._insert_kernel() is not None
     res["ours_rss_mb"] = _rss_mb() - rss0
     per = sum(t.element_size() * t[0].numel() for t in rb.storage.values())
     per += rb.generation.element_size() + sum(lv.element_size() * lv.numel() for lv in rb.tree.levels) / capacity
@@ -221,6 +222,20 @@ def bench_replay(repeats: int, seconds: float, capacity: int, batch: int, chunk:
     from replay_server import _memory
     res["ours_anon_hugepages_mb"] = _memory.anon_hugepages_mb()
     del rb
+    gc.collect()
+    # The floor of an insert: a plain copy of the same bytes (the chunk's packed rows, made
+    # contiguous beforehand) into fresh storage of the same size and allocation path.
+    from replay_server import _memory as _mem
+    width = sum(int(torch.Size(f.shape).numel()) for f in fields.values())
+    rows = [torch.cat([c[k].reshape(chunk, -1).float() for k in fields], 1).contiguous() for c in chunks]
+    buf = _mem.zeros((capacity, width), torch.float32, torch.device("cpu"))
+    t0 = time.perf_counter()
+    for i in range(-(-capacity // chunk)):
+        a = i * chunk
+        n = min(chunk, capacity - a)
+        buf[a:a + n].copy_(rows[i % 4][:n])
+    res["memcpy_insert_per_s"] = capacity / (time.perf_counter() - t0)
+    del buf, rows
     gc.collect()
     # The same replay without the huge-page request (replay_server/_memory.py), side by side.
     os.environ["APEX_BDQ_NO_HUGEPAGES"] = "1"
@@ -293,8 +308,15 @@ def bench_replay(repeats: int, seconds: float, capacity: int, batch: int, chunk:
         ins = res.get(f"{name}_insert_per_s")
         print(f"{name:18} {v:>12,.0f} {ins:>14,.0f}" if v and ins else f"{name:18} {v:>12,.0f}" if v
               else f"{name:18} {'n/a':>12}")
+    print(f"{'memcpy (floor)':18} {'':>12} {res['memcpy_insert_per_s']:>14,.0f}")
     print(f"bytes/transition {res['bytes_per_transition']:.0f}, peak RSS {res['peak_rss_mb']:,.0f} MB; "
           f"ours / faster peer: {res['ratio_vs_faster_peer']:.2f}x" if peer else "")
+    if res.get("cpprb_insert_per_s"):
+        res["insert_ratio_vs_cpprb"] = res["ours_insert_per_s"] / res["cpprb_insert_per_s"]
+        res["sample_update_ratio_vs_cpprb"] = res["ours_steps_per_s"] / res["cpprb_steps_per_s"]
+        print(f"insert: ours / cpprb {res['insert_ratio_vs_cpprb']:.2f}x, ours / memcpy floor "
+              f"{res['ours_insert_per_s'] / res['memcpy_insert_per_s']:.2f}x; sample + update: ours / cpprb "
+              f"{res['sample_update_ratio_vs_cpprb']:.2f}x")
     return res
 
 

@@ -242,6 +242,57 @@ void tree_update(std::vector<torch::Tensor> levels, torch::Tensor idx, torch::Te
   refresh_ancestors(levels, fanout, node);
 }
 
+// Insert in one pass: rows [first_row, first_row + keep) of the sources go to the ring
+// slots next_slot, next_slot + 1, ... (mod capacity) of the packed float32 matrix, each
+// source at its column offset (float32 copied, 8/16-bit ints and bool converted). Every
+// row of every float32 source is checked for NaN / inf before anything is written (an exponent-bits test
+// the compiler vectorises); returns (status, source, row): status 1 = not finite, nothing
+// written; 0 = done. Rows are written whole, one after another (one pass over the
+// destination instead of one per field).
+std::tuple<int64_t, int64_t, int64_t> replay_insert(torch::Tensor packed, std::vector<torch::Tensor> srcs,
+    std::vector<int64_t> col0, int64_t first_row, int64_t keep, int64_t next_slot) {
+  TORCH_CHECK(packed.is_contiguous() && packed.scalar_type() == torch::kFloat && packed.dim() == 2,
+              "replay_insert: packed storage must be a contiguous float32 matrix");
+  const int64_t N = packed.size(0), C = packed.size(1), F = (int64_t)srcs.size();
+  TORCH_CHECK((int64_t)col0.size() == F, "replay_insert: one column offset per source");
+  std::vector<int64_t> width(F);
+  for (int64_t f = 0; f < F; ++f) {
+    TORCH_CHECK(srcs[f].is_contiguous() && srcs[f].device().is_cpu(), "replay_insert: sources must be contiguous CPU");
+    width[f] = srcs[f].dim() > 1 ? srcs[f].numel() / srcs[f].size(0) : 1;
+    TORCH_CHECK(col0[f] >= 0 && col0[f] + width[f] <= C, "replay_insert: source ", f, " exceeds the row");
+    TORCH_CHECK(srcs[f].size(0) >= first_row + keep, "replay_insert: source ", f, " has too few rows");
+  }
+  for (int64_t f = 0; f < F; ++f) {
+    if (srcs[f].scalar_type() != torch::kFloat) continue;
+    const uint32_t* b = reinterpret_cast<const uint32_t*>(srcs[f].data_ptr<float>());  // every row, kept or not
+    const int64_t n = (first_row + keep) * width[f];
+    uint32_t bad = 0;
+    for (int64_t i = 0; i < n; ++i) bad |= ((b[i] & 0x7f800000u) == 0x7f800000u);
+    if (bad) {
+      for (int64_t i = 0; i < n; ++i)
+        if ((b[i] & 0x7f800000u) == 0x7f800000u) return {1, f, i / width[f]};
+    }
+  }
+  float* dst = packed.data_ptr<float>();
+  for (int64_t r = 0; r < keep; ++r) {
+    float* row = dst + ((next_slot + r) % N) * C;
+    const int64_t sr = first_row + r;
+    for (int64_t f = 0; f < F; ++f) {
+      const int64_t w = width[f];
+      float* o = row + col0[f];
+      switch (srcs[f].scalar_type()) {
+        case torch::kFloat: std::memcpy(o, srcs[f].data_ptr<float>() + sr * w, w * sizeof(float)); break;
+        case torch::kByte: { const uint8_t* i = srcs[f].data_ptr<uint8_t>() + sr * w; for (int64_t j = 0; j < w; ++j) o[j] = i[j]; break; }
+        case torch::kChar: { const int8_t* i = srcs[f].data_ptr<int8_t>() + sr * w; for (int64_t j = 0; j < w; ++j) o[j] = i[j]; break; }
+        case torch::kShort: { const int16_t* i = srcs[f].data_ptr<int16_t>() + sr * w; for (int64_t j = 0; j < w; ++j) o[j] = i[j]; break; }
+        case torch::kBool: { const bool* i = srcs[f].data_ptr<bool>() + sr * w; for (int64_t j = 0; j < w; ++j) o[j] = i[j]; break; }
+        default: TORCH_CHECK(false, "replay_insert: unsupported dtype ", srcs[f].scalar_type());
+      }
+    }
+  }
+  return {0, 0, 0};
+}
+
 // The calls release the GIL (the learner samples from a prefetch thread while its main
 // thread runs the update); they touch no Python objects.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -249,6 +300,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tree_update", &tree_update, py::call_guard<py::gil_scoped_release>(), "sum tree: set leaves and refresh ancestors");
   m.def("scalar_type", [](torch::Tensor t) { return (int64_t)t.scalar_type(); }, "c10::ScalarType code of a tensor");
   m.def("replay_sample", &replay_sample, py::call_guard<py::gil_scoped_release>(), "replay: walk, weights, row gather, generations");
+  m.def("replay_insert", &replay_insert, py::call_guard<py::gil_scoped_release>(), "replay: checked one-pass row insert");
   m.def("replay_update", &replay_update, py::call_guard<py::gil_scoped_release>(), "replay: checked, generation-aware priority update");
 }
 """
@@ -258,7 +310,7 @@ _module = None
 _failed = False
 
 
-_NAME = "apex_bdq_replay_v8"
+_NAME = "apex_bdq_replay_v9"
 STALE_LOCK_S = 300.0
 """A build lock older than this is a dead process's (the build takes well under a minute)."""
 

@@ -154,7 +154,9 @@ class PrioritizedReplay:
     def _arange(self, m: int) -> torch.Tensor:
         return self._arange_all[:m]  # m <= capacity
 
-    def _check_batch(self, batch: Mapping[str, torch.Tensor]) -> int:
+    def _check_batch(self, batch: Mapping[str, torch.Tensor], finite_checked_by=()) -> int:
+        """Fields, dtypes, shapes and row counts; NaN / inf in float fields except those in
+        `finite_checked_by` (the C++ insert checks the packed ones in its copy pass)."""
         missing = set(self.fields) - set(batch)
         extra = set(batch) - set(self.fields)
         if missing or extra:
@@ -174,7 +176,8 @@ class PrioritizedReplay:
             elif t.shape[0] != m:
                 raise ReplayError(f"field {k!r} has {t.shape[0]} rows, other fields have {m}")
             # One reduction finds NaN / inf (an overflowing sum is then checked element-wise).
-            if t.is_floating_point() and not bool(torch.isfinite(t.sum())) and not bool(torch.isfinite(t).all()):
+            if (k not in finite_checked_by and t.is_floating_point() and not bool(torch.isfinite(t.sum()))
+                    and not bool(torch.isfinite(t).all())):
                 raise ReplayError(f"field {k!r} has NaN or infinite values")
         return int(m)
 
@@ -189,7 +192,8 @@ class PrioritizedReplay:
             ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write M transitions (fields [M, ...]); priorities [M] (e.g. |TD|), or the running
         maximum when None. Returns (slots [M], generations [M])."""
-        m = self._check_batch(batch)
+        kern = self._insert_kernel()
+        m = self._check_batch(batch, self.columns if kern is not None else ())
         if priorities is not None and priorities.shape != (m,):
             raise ReplayError(f"priorities must be [M={m}], got {list(priorities.shape)}")
         if m == 0:
@@ -199,9 +203,15 @@ class PrioritizedReplay:
         # Leaf values are computed (and validated) before anything is written, outside the lock.
         leaf = None if priorities is None else self._leaf_values(priorities)[m - keep:]
         with self.lock:
-            return self._add(batch, priorities, leaf, m)
+            return self._add(batch, priorities, leaf, m, kern)
 
-    def _add(self, batch, priorities, leaf, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _insert_kernel(self):
+        """The C++ one-pass insert (CPU, C++ kernels built), else None."""
+        if not self.use_cpp or self.device.type != "cpu" or not self.columns:
+            return None
+        return self.tree._kernels()
+
+    def _add(self, batch, priorities, leaf, m: int, kern=None) -> tuple[torch.Tensor, torch.Tensor]:
         next_slot, writes = self.next_slot, self.writes
         keep = min(m, self.capacity)  # a batch larger than the ring keeps its newest rows
         src = slice(m - keep, m)
@@ -211,7 +221,16 @@ class PrioritizedReplay:
         runs = [(slice(next_slot, next_slot + first), slice(m - keep, m - keep + first))]
         if first < keep:
             runs.append((slice(0, keep - first), slice(m - keep + first, m)))
-        for k, t in batch.items():
+        rest = batch
+        if kern is not None:  # packed fields: checked, then written row by row in one C++ pass
+            names = list(self.columns)
+            srcs = [batch[k].contiguous() for k in names]
+            status, f, row = kern.replay_insert(self.packed, srcs, [self.columns[k][0] for k in names],
+                                                m - keep, keep, next_slot)
+            if status:
+                raise ReplayError(f"field {names[f]!r} has NaN or infinite values (row {row})")
+            rest = {k: t for k, t in batch.items() if k not in self.columns}
+        for k, t in rest.items():
             dst = self.storage[k]
             for d, s_ in runs:
                 dst[d] = t[s_].to(self.device, dst.dtype, non_blocking=True)

@@ -307,3 +307,42 @@ def test_a_dead_processs_extension_build_lock_does_not_hang_later_loads(tmp_path
     _cpu_kernels._clear_stale_build_lock("some_ext")
     assert not lock.exists()
     _cpu_kernels._clear_stale_build_lock("some_ext")  # no lock: nothing to do
+
+
+def test_cpp_insert_writes_what_the_tensor_path_writes_and_refuses_nan_writing_nothing():
+    """The one-pass C++ insert (CPU) against the per-field tensor copies: same packed rows,
+    generations and tree through ring wraps, a batch larger than the ring, bool / int8 /
+    int16 / uint8 / float32 fields; a NaN anywhere in a float field (also in rows a too-large
+    batch drops) is refused naming the field and row, with nothing written."""
+    from replay_server._cpu_kernels import kernels
+    if kernels() is None:
+        pytest.skip("C++ kernels unavailable")
+    fields = {"obs": FieldSpec((3,), torch.float32), "a": FieldSpec((2,), torch.uint8), "b": FieldSpec((), torch.bool),
+              "c": FieldSpec((2, 2), torch.int16), "d": FieldSpec((), torch.int8), "r": FieldSpec((), torch.float32),
+              "step": FieldSpec((), torch.int64)}
+    g = torch.Generator().manual_seed(3)
+
+    def batch(m):
+        return {"obs": torch.randn(m, 3, generator=g), "a": torch.randint(0, 255, (m, 2), generator=g, dtype=torch.uint8),
+                "b": torch.rand(m, generator=g) > 0.5, "c": torch.randint(-300, 300, (m, 2, 2), generator=g,
+                                                                          dtype=torch.int16),
+                "d": torch.randint(-100, 100, (m,), generator=g, dtype=torch.int8), "r": torch.randn(m, generator=g),
+                "step": torch.arange(m)}
+
+    fast = PrioritizedReplay(50, fields, seed=0)
+    slow = PrioritizedReplay(50, fields, seed=0)
+    slow._insert_kernel = lambda: None
+    assert fast._insert_kernel() is not None
+    for m in (7, 30, 23, 64, 5):  # wraps, then a batch larger than the ring
+        b = batch(m)
+        pr = torch.rand(m, generator=g) + 0.1
+        assert all(torch.equal(x, y) for x, y in zip(fast.add(b, pr), slow.add(b, pr)))
+        assert torch.equal(fast.packed, slow.packed) and torch.equal(fast.generation, slow.generation)
+        assert torch.equal(fast.tree.levels[0], slow.tree.levels[0])
+    before = fast.packed.clone(), fast.generation.clone(), fast.writes
+    for field, row in (("obs", 3), ("r", 0)):
+        bad = batch(60)
+        bad[field][row] = float("nan") if field == "r" else torch.tensor([0.0, float("inf"), 1.0])
+        with pytest.raises(ReplayError, match=rf"field '{field}' has NaN or infinite values \(row {row}\)"):
+            fast.add(bad)  # row 3 / 0 lies in the part a 60-row batch drops from a 50-slot ring
+    assert torch.equal(fast.packed, before[0]) and torch.equal(fast.generation, before[1]) and fast.writes == before[2]
