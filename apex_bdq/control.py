@@ -12,8 +12,9 @@ Every `sync_s` (HPA's sync period, 15 s) `Controller.decide(t)`
   4. guards it: within [rule x (1 - band_below), rule x (1 + band_above)], at most
      max(step_up_pods, step_up_pct %) more and step_down_pct % fewer replicas than now per
      decision, within [min_replicas, max_replicas];
-  5. falls back to the rule (or, when the rule's own inputs are missing, holds the replicas
-     in place) on a query timeout, a missing or stale series, a non-finite value, an
+  5. falls back to the rule (or, when the rule's own inputs are missing, to the replicas in
+     place: the last applied or the Deployment's spec; with neither there is no decision and
+     KEDA's GetMetrics answers UNAVAILABLE, so HPA keeps the replicas) on a query timeout, a missing or stale series, a non-finite value, an
      observation outside what training covered, or a policy error; every fallback is
      counted by reason.
 mode "shadow" applies the rule's replicas (what the running autoscaler does) and logs the
@@ -126,7 +127,7 @@ class ControllerMetrics:
 class Decision:
     t: float
     mode: str
-    applied: np.ndarray  # [K] replicas set
+    applied: Optional[np.ndarray]  # [K] replicas set (None: nothing to decide on, see the module docstring)
     rule: Optional[np.ndarray]
     learned: Optional[np.ndarray]  # the policy's replicas before the guard
     guarded: Optional[np.ndarray]  # after the guard
@@ -193,6 +194,7 @@ class Controller:
         self.levels = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in self.default.items()}
         self.hpa = HPA(target_utilisation=ctl.hpa_target_utilisation, period_s=ctl.sync_s)
         self.hold: Optional[HoldWindow] = None
+        self._hold_t: Optional[float] = None  # time of the hold window's last step
         self.applied: Optional[np.ndarray] = None
         self.last: Optional[Decision] = None
         self._lock = threading.Lock()
@@ -200,6 +202,12 @@ class Controller:
         self._log = open(log_path, "a", buffering=1) if log_path else None
         self.counts = {r: 0 for r in FALLBACK_REASONS}
         self.counts.update(decisions=0, band=0, rate_limit=0, bounds=0)
+
+    def actions(self) -> np.ndarray:
+        """[D] the sub-actions in force as the simulator spells them (plan, hold, admission):
+        what a replay platform driven by this controller's replicas runs, so that its own
+        observation carries the levels the reader tells the policy."""
+        return np.concatenate([self.levels["plan"], self.levels["hold"], [self.levels["admission"]]]).astype(np.int64)
 
     # -- the decision -----------------------------------------------------------------------------
     def current(self, t: Optional[float] = None) -> Decision:
@@ -214,7 +222,7 @@ class Controller:
         with self._lock:
             return self._decide_locked(t, reading if reading is not None else self.read(t, self.levels))
 
-    def _learned(self, reading) -> tuple[Optional[np.ndarray], Optional[str], dict]:
+    def _learned(self, reading, t: float) -> tuple[Optional[np.ndarray], Optional[str], dict]:
         """(replicas [K], fallback reason or None, levels) of the policy on a good reading."""
         K = self.K
         try:
@@ -230,8 +238,12 @@ class Controller:
         plan = replicas_for((rate * self.plan[levels["plan"]])[None], self.sizing).astype(np.int32)
         if self.hold is None:
             self.hold = HoldWindow(plan, self.hold_blocks, 1)
+        elif self._hold_t is not None:  # periods that passed without a learned decision (fallbacks, gaps)
+            for _ in range(min(self.hold.nb, max(0, int(round((t - self._hold_t) / self.ctl.sync_s)) - 1))):
+                self.hold.step()
         held = self.hold.target(plan, levels["hold"][None])[0]
         self.hold.step()
+        self._hold_t = t
         return held.astype(np.int64), None, levels
 
     def _decide_locked(self, t: float, reading) -> Decision:
@@ -255,7 +267,7 @@ class Controller:
             fallback = next((k for k in FALLBACK_REASONS if k in kinds), kinds[0])
             levels = self.default
         else:
-            learned, fallback, levels = self._learned(reading)
+            learned, fallback, levels = self._learned(reading, t)
             if fallback is not None and fallback.startswith("policy_error"):
                 reading.problems.append(fallback)
                 fallback = "policy_error"
@@ -280,7 +292,7 @@ class Controller:
             guarded = bounded
         # 5. what is applied
         if fallback is not None:
-            applied = rule if rule is not None else (current if current is not None else np.full(K, lo))
+            applied = rule if rule is not None else current  # None: nothing to hold either
             self.counts[fallback] = self.counts.get(fallback, 0) + 1
             m.fallbacks.labels(fallback).inc()
         elif ctl.mode == "control":
@@ -288,9 +300,12 @@ class Controller:
         else:
             applied = rule if rule is not None else current
             m.shadow.inc()
-        applied = np.asarray(applied, dtype=np.int64)
-        self.applied = applied
-        self.levels = levels  # the policy's state in its next observation (the rule's setting after a fallback)
+        if applied is not None:
+            applied = np.asarray(applied, dtype=np.int64)
+            self.applied = applied
+        # The policy's state in its next observation: its plan and hold (the rule's setting after
+        # a fallback); the admission level in force stays the platform's (KEDA sets replicas only).
+        self.levels = {"plan": levels["plan"], "hold": levels["hold"], "admission": self.default["admission"]}
         needed = None
         if reading.in_flight is not None and np.isfinite(reading.in_flight).all():
             needed = replicas_for((np.maximum(reading.in_flight, 0.0) * self.mu)[None], self.sizing)[0]
@@ -304,7 +319,8 @@ class Controller:
         m.decisions.labels(ctl.mode).inc()
         m.decision_s.observe(decide_s)
         for k, c in enumerate(self.classes):
-            m.replicas.labels(c, "applied").set(float(applied[k]))
+            if applied is not None:
+                m.replicas.labels(c, "applied").set(float(applied[k]))
             if rule is not None:
                 m.replicas.labels(c, "rule").set(float(rule[k]))
             if guarded is not None:

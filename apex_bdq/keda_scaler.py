@@ -5,7 +5,11 @@ reach the controller's replica count.
 A ScaledObject's trigger names its class in the metadata (`class: <name>`, as in the
 telemetry config). `GetMetricSpec` answers the metric `apex-bdq-<class>` with target 1
 (AverageValue); `GetMetrics` answers the class's replicas from the newest decision
-(`Controller.current`), so HPA's formula ceil(value / target) sets exactly those replicas.
+(`Controller.current`), so HPA's formula ceil(value / target) sets those replicas — once its
+tolerance lets it (changes within 10 % wait unless the HPA's `behavior` sets `tolerance: 0`)
+and with no stabilisation of its own (the manifests set the windows to 0: the policy holds).
+With nothing to decide on (no telemetry and no replica count known) it answers UNAVAILABLE:
+HPA keeps the replicas and KEDA applies the ScaledObject's `fallback` if one is set.
 `IsActive` is true unless the class allows scale to zero (`allowZero: "true"` in the
 metadata) and the newest reading shows it idle (no requests in flight; a class whose
 telemetry is missing counts as active); `StreamIsActive` pushes it every `stream_s`.
@@ -76,6 +80,9 @@ def make_servicer(controller, stream_s: float = 5.0):
         def GetMetrics(self, request, context):
             k = class_of(request.scaledObjectRef, context)
             d = controller.current()
+            if d.applied is None:
+                context.abort(grpc.StatusCode.UNAVAILABLE, "no decision: telemetry missing and no replica count known ("
+                              + "; ".join(d.problems[:3]) + ")")
             v = int(d.applied[k])
             return pb.GetMetricsResponse(metricValues=[pb.MetricValue(
                 metricName=request.metricName or METRIC_PREFIX + controller.classes[k], metricValue=v,
@@ -89,10 +96,12 @@ class ScalerServer:
     decides every `sync_s` even when KEDA does not ask (shadow mode logs on its own)."""
 
     def __init__(self, controller, host: str = "127.0.0.1", port: int = 0, tls: Optional[tuple] = None,
-                 loop: bool = True, stream_s: float = 5.0, workers: int = 8) -> None:
+                 loop: bool = True, stream_s: float = 5.0, workers: Optional[int] = None) -> None:
         import grpc
         self.controller = controller
         servicer, svc = make_servicer(controller, stream_s)
+        # Each open StreamIsActive holds a worker thread: room for one per class and as many calls.
+        workers = workers or 2 * len(controller.classes) + 8
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="keda"))
         svc.add_ExternalScalerServicer_to_server(servicer, self.server)
         addr = f"{host}:{port}"

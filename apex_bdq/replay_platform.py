@@ -104,12 +104,14 @@ class ReplayPlatform:
         # boundary (coarse blocks and accounting windows start there, as at the episode's
         # start). `clock_offset_s` shifts the clock onto the trace's time of day and week (as
         # a time zone would): the reader adds it before taking them.
-        weekday0 = int(round(float(self.rates.time_of_week[0]) * 7 - float(self.rates.time_of_day[0]))) % 7
+        tow = self.rates.time_of_week if self.rates.time_of_week is not None else self.rates.time_of_day
+        tow0_s = int(float(tow[0]) * (WEEK_S if self.rates.time_of_week is not None else DAY_S))  # trace tick 0
         now = time.time() if now is None else now
         self.T0 = int((now - 45 * 60) // BLOCK_S) * BLOCK_S
         self.W0 = self.T0 - start  # platform clock of trace tick 0
-        # 1970-01-01 was a Thursday: the Monday 00:00 of the trace's week is (4 + weekday0) days on.
-        self.clock_offset_s = int((4 * DAY_S + weekday0 * DAY_S - self.W0) % WEEK_S)
+        # 1970-01-01 was a Thursday (a Monday 00:00 is 4 days on): W0 + offset has the trace's
+        # time of week at tick 0 (the tick's start, to the second).
+        self.clock_offset_s = int((4 * DAY_S + tow0_s - self.W0) % WEEK_S)
         self.tick = 0
         self._lock = threading.Lock()
         sc = self.sim.scales
@@ -140,15 +142,16 @@ class ReplayPlatform:
         sim = self.sim
         a = default_actions(sim) if actions is None else np.asarray(actions, dtype=np.int64).reshape(1, -1)
         ct = None if replicas is None else np.asarray(replicas, dtype=np.int64).reshape(1, self.K)
+        idx = sim.trace_index()  # the tick being simulated (its rate shapes the latency histogram)
         obs, _, _, info = sim.step(a, capacity_target=ct)
-        self._account(info)
+        self._account(info, idx)
         with self._lock:
             self.obs, self.info = obs, info
             self.tick += 1
             self._snapshot()
         return obs, info
 
-    def _account(self, info: dict) -> None:
+    def _account(self, info: dict, idx: np.ndarray) -> None:
         sim, c = self.sim, self.counters
         arrivals = info["arrivals"][0].astype(np.float64)
         drops = info["dropped"][0].astype(np.float64)
@@ -161,7 +164,7 @@ class ReplayPlatform:
         # The latency distribution of this tick's admitted requests, as serve_tick models it:
         # L = service + backlog drain + W, P(W > x) = P(wait) exp(-(c mu - lambda) x), capped.
         mu = sim.mu.astype(np.float64)
-        lam = sim.lam_table[sim.trace_index()][0].astype(np.float64)
+        lam = sim.lam_table[idx][0].astype(np.float64)
         rate = np.maximum(ready * mu, 1e-9)
         drain = sim.backlog[0] / rate
         pw = sim.erlang(ready, lam / rate).astype(np.float64)
@@ -253,7 +256,7 @@ class ReplayPlatform:
         spans = [(T0 - back, T0)]
         for off in (DAY_S, WEEK_S):
             spans.append((T0 - off - 300, min(T1 - off + lead, T0)))
-        spans = sorted((max(a, self.W0), b) for a, b in spans if b > a)
+        spans = sorted((a, b) for a, b in ((max(a, self.W0), b) for a, b in spans) if b > a)
         merged: list[list[int]] = []
         for a, b in spans:
             if merged and a <= merged[-1][1]:
@@ -325,6 +328,7 @@ class PrometheusServer:
         end = time.monotonic() + timeout_s
         while time.monotonic() < end:
             if self.proc.poll() is not None:
+                self.log.close()
                 raise PrometheusUnavailable(f"prometheus exited with {self.proc.returncode}: "
                                             f"{(self.dir / 'prometheus.log').read_text()[-800:]}")
             try:
@@ -362,12 +366,17 @@ class ReplayLoop:
         self.platform = platform
         self._tmp = None if workdir else tempfile.mkdtemp(prefix="apex-prom-")
         self.dir = Path(workdir or self._tmp)
-        self.port, self.server = platform.serve()
-        platform.backfill(self.dir, horizon_ticks, labels={"job": JOB, "instance": f"127.0.0.1:{self.port}"})
-        self.prom = PrometheusServer([f"127.0.0.1:{self.port}"], self.dir, scrape_s=scrape_s)
-        import requests
-        self.http = requests.Session()
-        self.wait_scraped()
+        self.prom = self.server = self.http = None
+        try:
+            self.port, self.server = platform.serve()
+            platform.backfill(self.dir, horizon_ticks, labels={"job": JOB, "instance": f"127.0.0.1:{self.port}"})
+            self.prom = PrometheusServer([f"127.0.0.1:{self.port}"], self.dir, scrape_s=scrape_s)
+            import requests
+            self.http = requests.Session()
+            self.wait_scraped()
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def url(self) -> str:
@@ -394,9 +403,12 @@ class ReplayLoop:
         return out
 
     def close(self) -> None:
-        self.prom.stop()
-        self.server.shutdown()
-        self.http.close()
+        if self.prom is not None:
+            self.prom.stop()
+        if self.server is not None:
+            self.server.shutdown()
+        if self.http is not None:
+            self.http.close()
         if self._tmp:
             shutil.rmtree(self._tmp, ignore_errors=True)
 

@@ -41,6 +41,8 @@ from apex_bdq.sim.platform import Observation
 DAY_S, WEEK_S = 86400, 7 * 86400
 SEASON_WINDOW_S = 60  # rate() window of the seasonal inputs, centred on the lead
 EMA_SPAN = 6  # monitored signals: an exponential average over EMA_SPAN x the lag of per-tick samples
+COUNTERS = ("busy", "requests", "late", "refused")  # queried raw per series, differenced per series
+RULE_INPUTS = ("busy", "ready_mon", "ready", "spec", "series_kube", "series_app", "kube", "app")
 
 
 class TelemetryError(ValueError):
@@ -66,7 +68,8 @@ class MetricNames:
 
 @dataclass(frozen=True)
 class TelemetryConfig:
-    """Where one service's telemetry lives and how its classes map to series.
+    """Where one service's telemetry lives and how its classes map to series. The micro
+    observation is per tick (1 s): its series must be scraped once a tick.
 
     classes: the `class_label` value of each request class, in the policy's class order;
     deployments: the `deployment_label` value of each class's Deployment (same order);
@@ -87,6 +90,10 @@ class TelemetryConfig:
     stale_s: float = 60.0
     timeout_s: float = 2.0
     workers: int = 6
+    p99_window_s: Optional[int] = None
+    """Window of the per-tick latency histogram's increase() (default: one tick, which holds
+    two samples under Prometheus 2's closed ranges when it scrapes once a tick; Prometheus 3
+    ranges are open on the left: use two ticks there)."""
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
@@ -215,7 +222,7 @@ class TelemetryReader:
         coarse = {"start": blk_end - (self.sim.coarse_history - 1) * self.cb, "end": blk_end, "step": self.cb}
         q = {
             "in_flight": ("r", f"sum by ({c}) ({self._sel(m.in_flight)})", False, mon),
-            "busy": ("r", f"sum by ({c}) ({self._sel(m.busy)})", False, mon),
+            "busy": ("r", self._sel(m.busy), False, mon),
             "ready_mon": ("r", f"sum by ({d}) ({self._sel(m.ready, True)})", True, mon),
             "exist_soon": ("q", f"sum by ({d}) ({self._sel(m.exist, True)} offset {self.soon}s)", True, inst),
             "spec": ("q", f"sum by ({d}) ({self._sel(m.spec, True)})", True, inst),
@@ -223,10 +230,10 @@ class TelemetryReader:
             "exist": ("r", f"sum by ({d}) ({self._sel(m.exist, True)})", True, hist),
             "queue": ("r", f"sum by ({c}) ({self._sel(m.queue)})", False, hist),
             "p99": ("r", f"histogram_quantile(0.99, sum by ({c}, le) (increase({self._sel(m.latency + '_bucket')}"
-                         f"[{st}s])))", False, hist),
-            "requests": ("r", f"sum by ({c}) ({self._sel(m.requests)})", False, back),
-            "late": ("r", f"sum by ({c}) ({self._sel(m.late)})", False, back),
-            "refused": ("r", f"sum by ({c}) ({self._sel(m.refused)})", False, back),
+                         f"[{self.tel.p99_window_s or st}s])))", False, hist),
+            "requests": ("r", self._sel(m.requests), False, back),
+            "late": ("r", self._sel(m.late), False, back),
+            "refused": ("r", self._sel(m.refused), False, back),
             "coarse": ("r", f"sum by ({c}) (increase({self._sel(m.requests)}[{self.cb}s])) / {self.cb}", False, coarse),
             "age_app": ("q", f"max by ({c}) ({t} - timestamp({self._sel(m.requests)}))", False, inst),
             "age_kube": ("q", f"max by ({d}) ({t} - timestamp({self._sel(m.ready, True)}))", True, inst),
@@ -287,6 +294,7 @@ class TelemetryReader:
         futures = {name: self._pool.submit(self._run, kind, expr, params, deadline)
                    for name, (kind, expr, _, params) in qs.items()}
         problems: list[str] = []
+        failed: set = set()
         res: dict = {}
         for name, f in futures.items():
             try:
@@ -294,13 +302,49 @@ class TelemetryReader:
             except (TimeoutError, Exception) as e:  # noqa: BLE001 - every failure is reported by name
                 kind = "timeout" if isinstance(e, TimeoutError) or "Timeout" in type(e).__name__ else "query_failed"
                 problems.append(f"{kind}:{name}: {str(e)[:160]}")
-        if problems:
-            return Reading(t, None, None, None, None, problems, time.monotonic() - t0)
-        return self._assemble(t, qs, res, levels, problems, t0, time.monotonic() - t0)
+                failed.add(name)
+        return self._assemble(t, qs, res, levels, problems, t0, time.monotonic() - t0, failed)
+
+    def _increments(self, data: dict, times: np.ndarray) -> dict:
+        """{class: [len(times) - 1] summed per-step increases} from raw counter series: each
+        series differenced on its own (a drop is a reset: the value after it is the increase),
+        a step where a series has no sample on either side adds nothing for it."""
+        raw = self._matrix_series(data, times)
+        out: dict = {}
+        for k, rows in raw.items():
+            tot = np.zeros(len(times) - 1)
+            complete = np.zeros(len(times) - 1, dtype=bool)
+            for row in rows:
+                d = np.diff(row)
+                d = np.where(d < 0, row[1:], d)
+                ok = np.isfinite(d)
+                tot += np.where(ok, d, 0.0)
+                complete |= ok
+            out[k] = np.where(complete, tot, np.nan)  # no series of the class at a step: missing
+        return out
+
+    def _matrix_series(self, data: dict, times: np.ndarray) -> dict:
+        """{class: [rows of each series]} of a range query's raw series (app metrics)."""
+        label = self._by(False)
+        pos = {int(round(t)): i for i, t in enumerate(times)}
+        out: dict = {}
+        for r in data.get("result", []):
+            k = self.cls_index.get(r["metric"].get(label))
+            if k is None:
+                continue
+            row = np.full(len(times), np.nan)
+            for ts, v in r["values"]:
+                i = pos.get(int(round(float(ts))))
+                if i is not None:
+                    row[i] = float(v)
+            out.setdefault(k, []).append(row)
+        return out
 
     def _need(self, vec: dict, name: str, kube: bool, problems: list) -> np.ndarray:
         names = self.tel.deployments if kube else self.tel.classes
         out = np.zeros(self.K)
+        if vec is None:  # its query failed: reported already
+            return out
         for k in range(self.K):
             v = vec.get(k)
             if v is None:
@@ -314,6 +358,8 @@ class TelemetryReader:
     def _need_rows(self, mat: dict, name: str, kube: bool, problems: list, n: int) -> np.ndarray:
         names = self.tel.deployments if kube else self.tel.classes
         out = np.zeros((n, self.K))
+        if mat is None:  # its query failed: reported already
+            return out
         for k in range(self.K):
             row = mat.get(k)
             if row is None or np.isnan(row).any():
@@ -323,10 +369,11 @@ class TelemetryReader:
         return out
 
     def _assemble(self, t: int, qs: dict, res: dict, levels: dict, problems: list, t0: float,
-                  fetch_s: float) -> Reading:
+                  fetch_s: float, failed: set) -> Reading:
         K, H, st, W = self.K, self.H, self.step, self.W
         sc = self.sc
-        vec = {n: self._vector(res[n], qs[n][2]) for n, (kind, *_rest) in qs.items() if kind == "q"}
+        vec = {n: (self._vector(res[n], qs[n][2]) if n in res else None)
+               for n, (kind, *_rest) in qs.items() if kind == "q"}
         # Freshness first: a stale series would still answer from the lookback window.
         for name, kube in (("age_app", False), ("age_kube", True)):
             age = self._need(vec[name], name.replace("age_", "series_"), kube, problems)
@@ -338,32 +385,39 @@ class TelemetryReader:
         back_t = np.arange(t - (H + 2 * W) * st, t + 1, st)
         blk_end = (t // self.cb) * self.cb
         coarse_t = np.arange(blk_end - (self.sim.coarse_history - 1) * self.cb, blk_end + 1, self.cb)
-        mat = {n: self._matrix(res[n], qs[n][2], {"ready": hist_t, "exist": hist_t, "queue": hist_t, "p99": hist_t,
-                                                   "coarse": coarse_t, "in_flight": mon_t, "busy": mon_t,
-                                                   "ready_mon": mon_t}.get(n, back_t))
-               for n, (kind, *_rest) in qs.items() if kind == "r"}
+        grid = {"ready": hist_t, "exist": hist_t, "queue": hist_t, "p99": hist_t, "coarse": coarse_t,
+                "in_flight": mon_t, "busy": mon_t, "ready_mon": mon_t}
+        mat = {n: (self._matrix(res[n], qs[n][2], grid.get(n, back_t)) if n in res else None)
+               for n, (kind, *_rest) in qs.items() if kind == "r" and n not in COUNTERS}
+        # Counters come per series (per pod) and are differenced per series before the sum
+        # by class: a pod that restarts or goes away is a reset of its own series only.
+        inc = {n: (self._increments(res[n], grid.get(n, back_t)) if n in res else None) for n in COUNTERS}
         n_mon = len(mon_t)
         in_flight_h = self._need_rows(mat["in_flight"], "in_flight", False, problems, n_mon)
-        busy_h = self._need_rows(mat["busy"], "busy", False, problems, n_mon)
-        ready_m = self._need_rows(mat["ready_mon"], "ready", True, problems, n_mon)
+        busy_inc = self._need_rows(inc["busy"], "busy", False, problems, n_mon - 1)
+        ready_m = self._need_rows(mat["ready_mon"], "ready_mon", True, problems, n_mon)
         # What a metrics pipeline reports, one lag late: an exponential average (weight 1/lag
         # per tick) of requests in flight and of the busy share of the ready replicas.
         in_flight = ema(in_flight_h[1:], 1.0 / self.lag_ticks)
-        util_h = np.diff(busy_h, axis=0) / st / np.maximum(ready_m[1:], 1.0)
-        util_now = ema(np.clip(util_h, 0.0, 1.0), 1.0 / self.lag_ticks)
+        util_now = ema(np.clip(busy_inc / st / np.maximum(ready_m[1:], 1.0), 0.0, 1.0), 1.0 / self.lag_ticks)
         exist_soon = self._need(vec["exist_soon"], "exist_soon", True, problems)
         spec = self._need(vec["spec"], "spec", True, problems)
         ready_h = self._need_rows(mat["ready"], "ready", True, problems, H)
         exist_h = self._need_rows(mat["exist"], "exist", True, problems, H)
         queue_h = self._need_rows(mat["queue"], "queue", False, problems, H)
-        req = self._need_rows(mat["requests"], "requests", False, problems, len(back_t))
-        late = self._need_rows(mat["late"], "late", False, problems, len(back_t))
-        refused = self._need_rows(mat["refused"], "refused", False, problems, len(back_t))
+        n_inc = len(back_t) - 1
+        inc_req = self._need_rows(inc["requests"], "requests", False, problems, n_inc)
+        inc_late = self._need_rows(inc["late"], "late", False, problems, n_inc)
+        inc_ref = self._need_rows(inc["refused"], "refused", False, problems, n_inc)
         coarse = self._need_rows(mat["coarse"], "coarse", False, problems, len(coarse_t))
         p99 = np.full((H, K), np.nan)
-        for k, row in mat["p99"].items():
-            p99[:, k] = row
-        # No admitted request in a tick: no latency to read; an idle class's p99 is its service time.
+        if mat["p99"] is not None:
+            for k in range(K):
+                if k in mat["p99"]:
+                    p99[:, k] = mat["p99"][k]
+                elif inc_req[-H:, k].sum() > 0:  # requests arrived, but no latency histogram for the class
+                    problems.append(f"missing:p99:{self.tel.classes[k]}")
+        # A tick without admitted requests has no latency to read: an idle class's p99 is its service time.
         p99 = np.where(np.isfinite(p99), p99, 1.0 / sc.mu[None, :].astype(np.float64))
         season = {}
         ok = {}
@@ -371,25 +425,19 @@ class TelemetryReader:
             rows = []
             present = True
             for j in range(len(self.sim.seasonal_leads_s)):
-                v = vec[f"season_{name}_{j}"]
+                v = vec[f"season_{name}_{j}"] or {}
                 if len(v) < K:
                     present = False
                 rows.append([v.get(k, 0.0) for k in range(K)])
             ok[name] = float(present)
             season[name] = np.asarray(rows, dtype=np.float64)[None] * present  # [1, J, K]
         if problems:
-            rule_ok = not any(p.split(":")[1] in ("busy", "ready", "spec", "series_kube", "kube", "app")
-                              for p in problems)
-            return Reading(t, None, util_now if rule_ok else None,
-                           ready_h[-1] if rule_ok else None, spec if rule_ok else None, problems,
-                           time.monotonic() - t0)
-
-        def increments(cum):  # counter increases per step, resets read as restarts from 0
-            d = np.diff(cum, axis=0)
-            return np.where(d < 0, cum[1:], d)
+            # The rule (HPA on utilisation and ready replicas) may still have its inputs.
+            rule_ok = not any(p.split(":")[1] in RULE_INPUTS for p in problems)
+            return Reading(t, None, util_now if rule_ok else None, ready_h[-1] if rule_ok else None,
+                           spec if rule_ok else None, problems, time.monotonic() - t0, fetch_s=fetch_s)
 
         n_back = len(back_t)
-        inc_req, inc_late, inc_ref = increments(req), increments(late), increments(refused)  # [n_back - 1, K]
         # Window-to-date late and offered requests at each of the last H ticks; the last closed window.
         win_late = np.zeros((H, K))
         win_req = np.zeros((H, K))

@@ -52,7 +52,7 @@ def compare_sim(cfg, policy, ctl_cfg, seed: int, warm: int, n: int, live: list) 
             d = ctl.decide(float(q.tick), reading_from_sim(q.sim, q.obs))
             reps = hpa_desired(q.sim.target[0], d.applied.astype(float))
             sim_curve.append(reps.tolist())
-        _, info = q.step(replicas=reps)
+        _, info = q.step(actions=ctl.actions(), replicas=reps)
         account(acct, info)
     a, b = np.array([c["replicas"] for c in live]), np.array(sim_curve)
     return {"sim_curve": sim_curve, "exact_share": float((a == b).mean()),
@@ -158,7 +158,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     curve.append({"t": platform.now, "replicas": reps.tolist(),
                                   "rule": None if d.rule is None else d.rule.tolist(),
                                   "learned": None if d.guarded is None else d.guarded.tolist()})
-                _, info = loop.step(replicas=reps)
+                _, info = loop.step(actions=ctl.actions(), replicas=reps)
                 account(acct, info)
         finally:
             keda.close()

@@ -30,7 +30,10 @@ def summarise(rows: list[dict]) -> dict:
     classes = rows[0]["classes"]
     K = len(classes)
     ts = np.array([r["t"] for r in rows], dtype=np.float64)
-    dt = np.diff(ts, append=ts[-1] + (np.median(np.diff(ts)) if len(ts) > 1 else 15.0))
+    period = float(np.median(np.diff(ts))) if len(ts) > 1 else 15.0
+    # each decision weighs until the next, at most two periods (a restart's gap or a log
+    # appended out of order must not dominate the replica-seconds)
+    dt = np.clip(np.diff(ts, append=ts[-1] + period), 0.0, 2 * period)
 
     def col(key):
         return np.array([r[key] if r.get(key) is not None else [np.nan] * K for r in rows], dtype=np.float64)

@@ -122,8 +122,8 @@ def _random_checkpoint(path: Path) -> None:
 @pytest.mark.slow
 def test_scaler_command_serves_keda_falls_back_when_prometheus_is_down_and_stops_cleanly(tmp_path):
     """`python -m launch.scaler` for real: config, gRPC, metrics endpoint, decision log,
-    SIGTERM; Prometheus is unreachable, so every decision falls back (query_failed) and holds
-    the minimum replicas, counted in its metrics."""
+    SIGTERM; Prometheus is unreachable, so every decision falls back (query_failed), counted
+    in its metrics, and with no replica count known KEDA is told UNAVAILABLE."""
     import requests
 
     from apex_bdq.keda_scaler import KedaHpa
@@ -147,10 +147,13 @@ def test_scaler_command_serves_keda_falls_back_when_prometheus_is_down_and_stops
         line = proc.stdout.readline()
         assert "gRPC 127.0.0.1:" in line, (line, proc.stderr.read() if proc.poll() is not None else "")
         port = int(line.split("gRPC 127.0.0.1:")[1].split(",")[0])
+        import grpc
         keda = KedaHpa(f"127.0.0.1:{port}", cfg["telemetry"]["classes"])
-        reps, vals, _ = keda.sync(np.array([5, 5, 5, 5]))
+        # no telemetry and no replica count known: no decision, so HPA keeps the replicas in place
+        with pytest.raises(grpc.RpcError) as e:
+            keda.sync(np.array([5, 5, 5, 5]))
         keda.close()
-        assert vals.tolist() == [1.0] * 4 and reps.tolist() == [1] * 4  # min_replicas held: nothing to decide on
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "query_failed" in e.value.details()
         time.sleep(1.5)
         text = requests.get(f"http://127.0.0.1:{mport}/metrics", timeout=5).text
         assert 'apex_scaler_fallbacks_total{reason="query_failed"}' in text

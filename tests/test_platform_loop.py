@@ -141,10 +141,16 @@ def test_every_fallback_path_falls_back_to_the_rule_and_is_counted():
         assert (d.applied == d.rule).all()
         assert c.counts[reason] == 1
         assert f'apex_scaler_fallbacks_total{{reason="{reason}"}} 1.0' in _exposition(c)
-    # the rule's own inputs missing too: the replicas in place are held
+    # the rule's own inputs missing too: the replicas in place (the Deployment's spec) are held
     c = Controller(CFG, random_policy(), ctl, classes=p.classes)
     d = c.decide(0.0, bad("missing:ready:class0", keep_rule=False))
     assert d.rule is None and (d.applied == good.spec.astype(np.int64)).all()
+    # ... and with no replica count known at all, no decision (KEDA is told UNAVAILABLE)
+    c = Controller(CFG, random_policy(), ctl, classes=p.classes)
+    nothing = Reading(t=0.0, obs=None, utilisation=None, ready=None, spec=None, problems=["timeout:spec: x"],
+                      query_s=0.0)
+    d = c.decide(0.0, nothing)
+    assert d.applied is None and d.fallback == "timeout" and c.applied is None
     # out of range: coverage that no load shape lies in
     K = CFG.num_classes
     narrow = Guard.build(GuardConfig(ood_margin=0.0), CFG, np.full(3 * K, 100.0), np.full(3 * K, 101.0))
@@ -302,7 +308,7 @@ def test_keda_closed_loop_follows_the_simulators_decisions(tmp_path):
                     answered.append([int(v) for v in vals])
                     reps = hpa_desired(p.sim.target[0], np.array(vals), specs[0].targetSizeFloat)
                     live.append(reps.copy())
-                loop.step(replicas=reps)
+                loop.step(actions=ctl.actions(), replicas=reps)
             assert stub.IsActive(refs[0]).result is True
             stream = stub.StreamIsActive(refs[1])
             assert next(stream).result is True
@@ -330,7 +336,7 @@ def test_keda_closed_loop_follows_the_simulators_decisions(tmp_path):
             d = ref_ctl.decide(float(q.tick), reading_from_sim(q.sim, q.obs))
             reps = hpa_desired(q.sim.target[0], d.applied.astype(float))
             sim_curve.append(reps.copy())
-        q.step(replicas=reps)
+        q.step(actions=ref_ctl.actions(), replicas=reps)
     a, b = np.array(live), np.array(sim_curve)
     rel = np.abs(a - b) / np.maximum(b, 1)
     (tmp_path / "curves.json").write_text(json.dumps({"live": a.tolist(), "sim": b.tolist()}))
@@ -349,3 +355,57 @@ def test_scaler_bench_reports_each_stage_and_the_hpa_share():
     assert abs(parts - r["decision_ms_p50"]) < 0.25 * r["decision_ms_p50"]
     assert r["hpa_sync_share_p99"] == pytest.approx(r["decision_ms_p99"] / 15e3)
     assert r["queries_per_decision"] >= 15
+
+
+def test_counters_are_differenced_per_series_before_the_sum():
+    """A pod's counter that restarts (or a pod that goes away) is a reset of its own series:
+    the class's per-tick increase is the sum of each series' increases, not a difference of
+    sums (which would read the whole remaining total as one tick's arrivals)."""
+    rd = TelemetryReader(TelemetryConfig(url="http://127.0.0.1:9", classes=("a", "b", "c", "d"),
+                                         deployments=("a", "b", "c", "d")), CFG)
+    try:
+        times = np.arange(100, 106)
+        pod1 = [1000, 1010, 1020, 3, 13, 23]  # restarts after t=102
+        pod2 = [5000, 5005, 5010, 5015, None, None]  # goes away after t=103
+        data = {"result": [
+            {"metric": {"class": "a", "pod": "1"}, "values": [[int(t), str(v)] for t, v in zip(times, pod1)]},
+            {"metric": {"class": "a", "pod": "2"}, "values": [[int(t), str(v)] for t, v in zip(times, pod2) if v]},
+        ]}
+        inc = rd._increments(data, times)
+        assert inc[0].tolist() == [15.0, 15.0, 8.0, 10.0, 10.0]
+        assert 1 not in inc  # class b has no series: missing, not zero
+    finally:
+        rd.close()
+
+
+def test_a_failed_query_still_leaves_the_rule_its_inputs(monkeypatch):
+    """Only the seasonal query times out: no observation (the policy cannot decide), but HPA's
+    rule still gets utilisation, ready replicas and the spec, so the controller falls back to
+    the rule, not to holding."""
+    p, r = _sim_reading()
+    rd = TelemetryReader(TelemetryConfig(url="http://127.0.0.1:9", classes=tuple(p.classes),
+                                         deployments=tuple(p.classes)), CFG)
+    rd.close()
+    t = 1_000_000
+    qs = rd.queries(t)
+    K = CFG.num_classes
+
+    def answer(name):
+        kind, _, kube, params = qs[name]
+        label = "deployment" if kube else "class"
+        names = p.classes
+        if kind == "q":
+            return {"result": [{"metric": {label: n}, "value": [t, "1.0"]} for n in names]}
+        steps = np.arange(params["start"], params["end"] + 1, params["step"])
+        series = [{"metric": {label: n}, "values": [[int(s), str(float(i + 1))] for i, s in enumerate(steps)]}
+                  for n in names]
+        return {"result": series}
+
+    res = {n: answer(n) for n in qs if not n.startswith("season_7d")}
+    problems = [f"timeout:{n}: deadline" for n in qs if n.startswith("season_7d")]
+    reading = rd._assemble(t, qs, res, {"plan": np.zeros(K, int), "hold": np.zeros(K, int), "admission": 0},
+                           problems, 0.0, 0.0, {n for n in qs if n.startswith("season_7d")})
+    assert reading.obs is None and reading.utilisation is not None and reading.spec is not None
+    c = Controller(CFG, random_policy(), ControlConfig(mode="control"), classes=p.classes)
+    d = c.decide(0.0, reading)
+    assert d.fallback == "timeout" and d.rule is not None and (d.applied == d.rule).all()
