@@ -261,11 +261,13 @@ class TelemetryReader:
                 out[k] = float(r["value"][1])
         return out
 
-    def _matrix(self, data: dict, kube: bool, times: np.ndarray) -> dict:
+    def _series(self, data: dict, kube: bool, times: np.ndarray) -> dict:
+        """{class or deployment index: [one row per series]} of a range query's result, each
+        row the series' values at `times` (NaN where it has none)."""
         idx = self.dep_index if kube else self.cls_index
         label = self._by(kube)
-        out = {}
         pos = {int(round(t)): i for i, t in enumerate(times)}
+        out: dict = {}
         for r in data.get("result", []):
             k = idx.get(r["metric"].get(label))
             if k is None:
@@ -275,41 +277,18 @@ class TelemetryReader:
                 i = pos.get(int(round(float(ts))))
                 if i is not None:
                     row[i] = float(v)
-            out[k] = row
+            out.setdefault(k, []).append(row)
         return out
 
-    def read(self, t: Optional[float] = None, levels: Optional[dict] = None) -> Reading:
-        """A reading at Unix time t (default: now, whole seconds). levels: the policy's
-        sub-actions in force {"plan": [K], "hold": [K], "admission": int} (default: the
-        platform's default setting)."""
-        from apex_bdq.sim.platform_v2 import default_action_v2
-        t0 = time.monotonic()
-        t = int(time.time()) if t is None else int(t)
-        deadline = t0 + self.tel.timeout_s
-        K = self.K
-        if levels is None:
-            d = default_action_v2(self.sim)
-            levels = {"plan": np.asarray(d[:K]), "hold": np.asarray(d[K:2 * K]), "admission": d[-1]}
-        qs = self.queries(t)
-        futures = {name: self._pool.submit(self._run, kind, expr, params, deadline)
-                   for name, (kind, expr, _, params) in qs.items()}
-        problems: list[str] = []
-        failed: set = set()
-        res: dict = {}
-        for name, f in futures.items():
-            try:
-                res[name] = f.result(timeout=max(deadline - time.monotonic(), 0.0) + 0.05)
-            except (TimeoutError, Exception) as e:  # noqa: BLE001 - every failure is reported by name
-                kind = "timeout" if isinstance(e, TimeoutError) or "Timeout" in type(e).__name__ else "query_failed"
-                problems.append(f"{kind}:{name}: {str(e)[:160]}")
-                failed.add(name)
-        return self._assemble(t, qs, res, levels, problems, t0, time.monotonic() - t0, failed)
+    def _matrix(self, data: dict, kube: bool, times: np.ndarray) -> dict:
+        """{index: row} of a range query summed by class / deployment (one series each)."""
+        return {k: rows[0] for k, rows in self._series(data, kube, times).items()}
 
     def _increments(self, data: dict, times: np.ndarray) -> dict:
         """{class: [len(times) - 1] summed per-step increases} from raw counter series: each
         series differenced on its own (a drop is a reset: the value after it is the increase),
         a step where a series has no sample on either side adds nothing for it."""
-        raw = self._matrix_series(data, times)
+        raw = self._series(data, False, times)
         out: dict = {}
         for k, rows in raw.items():
             tot = np.zeros(len(times) - 1)
@@ -321,23 +300,6 @@ class TelemetryReader:
                 tot += np.where(ok, d, 0.0)
                 complete |= ok
             out[k] = np.where(complete, tot, np.nan)  # no series of the class at a step: missing
-        return out
-
-    def _matrix_series(self, data: dict, times: np.ndarray) -> dict:
-        """{class: [rows of each series]} of a range query's raw series (app metrics)."""
-        label = self._by(False)
-        pos = {int(round(t)): i for i, t in enumerate(times)}
-        out: dict = {}
-        for r in data.get("result", []):
-            k = self.cls_index.get(r["metric"].get(label))
-            if k is None:
-                continue
-            row = np.full(len(times), np.nan)
-            for ts, v in r["values"]:
-                i = pos.get(int(round(float(ts))))
-                if i is not None:
-                    row[i] = float(v)
-            out.setdefault(k, []).append(row)
         return out
 
     def _need(self, vec: dict, name: str, kube: bool, problems: list) -> np.ndarray:
