@@ -115,6 +115,8 @@ class PrioritizedReplay:
         self.tree = SumTree(self.capacity, self.device, fanout, use_cpp=use_cpp,
                             levels=[t[f"tree.{i}"] for i in range(len(SumTree.level_sizes(self.capacity, fanout)))])
         self.samples = 0  # this process's sample calls (drive its beta)
+        if use_cpp and self.device.type == "cpu":
+            self.tree._kernels()  # build (first time, ~35 s) or load the C++ kernels now, not inside a timed run
         self.rng = torch.Generator(device=self.device)
         self.rng.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
         self._arange_all = torch.arange(self.capacity, device=self.device)
