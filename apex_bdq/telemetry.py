@@ -170,6 +170,9 @@ class TelemetryReader:
         self.W = int(round(sim.accounting_window_s))
         self.cb = int(round(sim.coarse_block_s))
         self.soon = max(1, sim.delay_ticks // 2) * self.step
+        from apex_bdq.sim.platform_v2 import MACRO_GLOBAL_V2, macro_names
+        self.n_macro = len(macro_names(sim))
+        self.n_per_class = (self.n_macro - len(MACRO_GLOBAL_V2)) // sim.num_classes
         self.cls_index = {c: k for k, c in enumerate(tel.classes)}
         self.dep_index = {d: k for k, d in enumerate(tel.deployments)}
         self._local = threading.local()
@@ -260,6 +263,33 @@ class TelemetryReader:
             if k is not None:
                 out[k] = float(r["value"][1])
         return out
+
+    def read(self, t: Optional[float] = None, levels: Optional[dict] = None) -> Reading:
+        """A reading at Unix time t (default: now, whole seconds). levels: the policy's
+        sub-actions in force {"plan": [K], "hold": [K], "admission": int} (default: the
+        platform's default setting)."""
+        from apex_bdq.sim.platform_v2 import default_action_v2
+        t0 = time.monotonic()
+        t = int(time.time()) if t is None else int(t)
+        deadline = t0 + self.tel.timeout_s
+        K = self.K
+        if levels is None:
+            d = default_action_v2(self.sim)
+            levels = {"plan": np.asarray(d[:K]), "hold": np.asarray(d[K:2 * K]), "admission": d[-1]}
+        qs = self.queries(t)
+        futures = {name: self._pool.submit(self._run, kind, expr, params, deadline)
+                   for name, (kind, expr, _, params) in qs.items()}
+        problems: list[str] = []
+        failed: set = set()
+        res: dict = {}
+        for name, f in futures.items():
+            try:
+                res[name] = f.result(timeout=max(deadline - time.monotonic(), 0.0) + 0.05)
+            except (TimeoutError, Exception) as e:  # noqa: BLE001 - every failure is reported by name
+                kind = "timeout" if isinstance(e, TimeoutError) or "Timeout" in type(e).__name__ else "query_failed"
+                problems.append(f"{kind}:{name}: {str(e)[:160]}")
+                failed.add(name)
+        return self._assemble(t, qs, res, levels, problems, t0, time.monotonic() - t0, failed)
 
     def _series(self, data: dict, kube: bool, times: np.ndarray) -> dict:
         """{class or deployment index: [one row per series]} of a range query's result, each
@@ -415,17 +445,14 @@ class TelemetryReader:
         booting_now = np.maximum(exist_now - ready_now, 0.0)
         launched_recently = np.maximum(exist_now - exist_soon, 0.0)
         booting_soon = np.maximum(booting_now - launched_recently, 0.0)
-        util = util_now
-        S1 = 1
         clock = t + self.tel.clock_offset_s
-        per = 9 + self.sim.coarse_history + 2 * len(self.sim.seasonal_leads_s)
-        macro = np.empty((S1, 8 + K * per), dtype=np.float32)
-        cls = np.empty((S1, K, per), dtype=np.float32)
+        macro = np.empty((1, self.n_macro), dtype=np.float32)  # the layout of platform_v2.macro_names
+        cls = np.empty((1, K, self.n_per_class), dtype=np.float32)
         macro_v2(macro, cls, sc, tod=np.array([(clock % DAY_S) / DAY_S]),
                  tow=np.array([((clock - 4 * DAY_S) % WEEK_S) / WEEK_S]),
                  window_phase=np.array([(t % W) / W]), admission_level=np.array([levels["admission"]]),
                  ok_1d=np.array([ok["1d"]]), ok_7d=np.array([ok["7d"]]), in_flight=in_flight[None],
-                 utilisation=util[None], ready=ready_now[None], booting=booting_now[None],
+                 utilisation=util_now[None], ready=ready_now[None], booting=booting_now[None],
                  booting_soon=booting_soon[None], target=spec[None], plan_level=np.asarray(levels["plan"])[None],
                  hold_level=np.asarray(levels["hold"])[None], last_violated=last_violated[None],
                  rate_blocks=coarse[:, None, :], rate_1d=season["1d"], rate_7d=season["7d"])
@@ -437,7 +464,7 @@ class TelemetryReader:
         obs = Observation(macro=macro, micro=micro)
         if not (np.isfinite(macro).all() and np.isfinite(micro).all()):
             return Reading(t, None, None, None, None, ["not_finite:observation"], time.monotonic() - t0)
-        return Reading(t, obs, util, ready_now, spec, problems, time.monotonic() - t0, in_flight=in_flight,
+        return Reading(t, obs, util_now, ready_now, spec, problems, time.monotonic() - t0, in_flight=in_flight,
                        fetch_s=fetch_s)
 
 
