@@ -197,6 +197,18 @@ async def read_body(request: Request, budget: _BodyBudget) -> bytes:
     return b"".join(chunks)
 
 
+CLOCK_HEADER = "x-apex-clock"
+"""A request that carries this header (any value) gets it back holding the handler's stages as
+times of the host's monotonic clock (`time.perf_counter()`, CLOCK_MONOTONIC on Linux: the same
+clock in every process of one machine): `entry,parsed,decided,encoded` in seconds. A client on
+the same host places them between its own send and receive: a breakdown on one clock
+(`launch.bench serve`)."""
+
+
+def clock_stamps(*t: float) -> str:
+    return ",".join(f"{x:.7f}" for x in t)
+
+
 def _timing(**ms: float) -> str:
     """Server-Timing header (RFC: name;dur=milliseconds)."""
     return ", ".join(f"{k};dur={v:.3f}" for k, v in ms.items())
@@ -302,11 +314,11 @@ class DecisionService:
         mt = S.media_type(request.headers.get("content-type"))
         raw = await read_body(request, self._bodies)
         try:
-            return await self._decide_body(raw, mt, t0)
+            return await self._decide_body(raw, mt, t0, CLOCK_HEADER in request.headers)
         finally:
             self._bodies.give(len(raw))  # held until the answer: the arrays may be views of the body
 
-    async def _decide_body(self, raw: bytes, mt: str, t0: float) -> Response:
+    async def _decide_body(self, raw: bytes, mt: str, t0: float, clock: bool = False) -> Response:
         doc = S.decode_body(raw, mt)
         macro, micro, include_q = S.parse_decide(doc, self.holder.cfg)
         t1 = time.perf_counter()
@@ -317,10 +329,12 @@ class DecisionService:
         body = S.encode_body(S.decision_doc(actions, q if include_q else None, version, out_mt, self.branches), out_mt)
         t3 = time.perf_counter()
         self.served += macro.shape[0]
-        return Response(body, media_type=out_mt, headers={
-            "Server-Timing": _timing(parse=(t1 - t0) * 1e3, queue=queue_ms, model=model_ms,
-                                     encode=(t3 - t2) * 1e3, replica=(t3 - t0) * 1e3),
-            "X-Policy-Version": str(version), "X-Batch-Requests": str(batch)})
+        headers = {"Server-Timing": _timing(parse=(t1 - t0) * 1e3, queue=queue_ms, model=model_ms,
+                                            encode=(t3 - t2) * 1e3, replica=(t3 - t0) * 1e3),
+                   "X-Policy-Version": str(version), "X-Batch-Requests": str(batch)}
+        if clock:
+            headers[CLOCK_HEADER] = clock_stamps(t0, t1, t2, t3)
+        return Response(body, media_type=out_mt, headers=headers)
 
     async def decide(self, macro, micro, include_q: bool = True) -> dict:
         """The deployment-handle path: numpy arrays in, numpy arrays out (no HTTP, no codec)."""

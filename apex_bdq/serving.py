@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
+from apex_bdq.inference import FoldedQNet
 from apex_bdq.networks import BDQNetwork, NetConfig
 
 log = logging.getLogger("apex_bdq.serving")
@@ -341,6 +342,12 @@ class Policy:
     bounded or replaced are counted in `guard_counts`."""
     guard_counts: dict = field(default_factory=lambda: {"decisions": 0, "clipped": 0, "admission_capped": 0,
                                                         "fallback": 0})
+    folded: Optional[FoldedQNet] = field(default=None, repr=False)
+    """The network's forward folded into seven GEMMs (apex_bdq/inference.py), built at load."""
+
+    def __post_init__(self) -> None:
+        if self.folded is None:
+            self.folded = FoldedQNet(self.net)
 
     @torch.inference_mode()
     def decide(self, macro: np.ndarray, micro: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -349,7 +356,7 @@ class Policy:
             macro, micro = macro.copy(), micro.copy()
         elif not micro.flags.writeable:
             micro = micro.copy()
-        q = self.net(torch.from_numpy(macro), torch.from_numpy(micro))
+        q = self.folded(torch.from_numpy(macro), torch.from_numpy(micro))
         actions = q.argmax(-1).numpy()
         if self.guard is not None:
             actions, clipped, capped, back = self.guard.apply(macro, actions)

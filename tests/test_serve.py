@@ -611,3 +611,77 @@ def test_valid_requests_beside_hostile_ones_all_answered_and_no_5xx(server):
     macro, micro = obs(2, seed=8)
     with DecisionClient(server["url"]) as c:
         assert c.decide(macro, micro).actions.shape == (2, NET.num_branches)
+
+
+@pytest.mark.ray
+def test_clock_stamps_and_the_replicas_own_port(server):
+    """`x-apex-clock` (asked for) returns the handler's stages on the host's monotonic clock,
+    between the client's send and receive; the replica's own port from HAProxy's config (the
+    bench's HAProxy-skipped path) answers the same decision."""
+    import time
+
+    from apex_bdq.haproxy_ingress import private_folder
+    from apex_bdq.serve_app import CLOCK_HEADER
+    from apex_bdq.serving import MSGPACK, pack_array
+    from launch.bench_serve import replica_urls
+    macro, micro = obs(1, seed=5)
+    body = msgpack.packb({"macro": pack_array(macro), "micro": pack_array(micro)}, use_bin_type=True)
+    c = DecisionClient(server["url"])
+    try:
+        _, plain, _ = c.request("POST", "/v1/decide", body, MSGPACK)
+        assert CLOCK_HEADER not in plain  # only when asked
+        t0 = time.perf_counter()
+        status, h, raw = c.request("POST", "/v1/decide", body, MSGPACK, headers={CLOCK_HEADER: "1"})
+        t1 = time.perf_counter()
+    finally:
+        c.close()
+    assert status == 200
+    stamps = [float(x) for x in h[CLOCK_HEADER].split(",")]
+    assert len(stamps) == 4 and t0 <= stamps[0] <= stamps[1] <= stamps[2] <= stamps[3] <= t1
+    urls = replica_urls((private_folder(server["port"]) / "haproxy.cfg").read_text())
+    assert len(urls) == 1 and urls[0] != server["url"]
+    direct = DecisionClient(urls[0]).decide(macro, micro)
+    via = DecisionClient(server["url"]).decide(macro, micro)
+    assert np.array_equal(direct.actions, via.actions) and direct.version == via.version
+
+
+def test_bench_floor_bare_asgi_server_stages_add_up(tmp_path):
+    """The serving bench's floor (launch/_bare_asgi.py, no Ray) answers the policy's decision,
+    and its one-clock breakdown adds up to the latency it measured."""
+    from apex_bdq.serving import policy_from_checkpoint
+    from launch.bench_serve import http_clocked
+    ck = tmp_path / "policy.pt"
+    write_checkpoint(ck, 3, seed=2)
+    port = free_port()
+    with open(tmp_path / "bare.out", "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "launch._bare_asgi", "--checkpoint", str(ck), "--port",
+                                 str(port)], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: DecisionClient(url).healthz()["status"] == "ok", 120, "the bare ASGI server", interval=0.3,
+                 ignore=(OSError, ServiceError, http.client.HTTPException),
+                 detail=lambda: (tmp_path / "bare.out").read_text()[-2000:])
+        macro, micro = obs(4, seed=6)
+        d = DecisionClient(url).decide(macro, micro)
+        want, q = policy_from_checkpoint(ck).decide(macro, micro)
+        assert np.array_equal(d.actions, want) and np.allclose(d.q, q, atol=1e-6)
+        cell = http_clocked(url, macro, micro, 40, warm=5)
+        assert set(cell["stages_ms"]) == {"client_encode", "to_handler", "read_parse", "decide", "encode",
+                                          "from_handler", "client_decode"}
+        assert cell["clock_ordered_share"] == 1.0
+        assert cell["stage_means_sum_ms"] == pytest.approx(cell["mean_ms"], rel=1e-6)
+        assert cell["n"] == 40 and cell["p50_ms"] > 0
+        empty = http_clocked(url, macro, micro, 10, path="/v1/empty", warm=2)
+        assert set(empty["stages_ms"]) == {"client_encode", "server", "client_decode"}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_replica_urls_reads_servers_not_backups():
+    from launch.bench_serve import replica_urls
+    cfg = ("backend default\n    server replica_a 10.0.0.5:30001 check observe layer4\n"
+           "    server fallback 10.0.0.5:8001 check backup\n"
+           "backend router\n    server replica_a 10.0.0.5:30001 track default/replica_a\n"
+           "    server replica_b 10.0.0.5:30002 check\n")
+    assert replica_urls(cfg) == ["http://10.0.0.5:30001", "http://10.0.0.5:30002"]
