@@ -309,21 +309,25 @@ def test_a_dead_processs_extension_build_lock_does_not_hang_later_loads(tmp_path
     _cpu_kernels._clear_stale_build_lock("some_ext")  # no lock: nothing to do
 
 
-def test_cpp_insert_writes_what_the_tensor_path_writes_and_refuses_nan_writing_nothing():
+@pytest.mark.parametrize("wide", [0, 3000], ids=["narrow-rows", "wide-rows"])
+def test_cpp_insert_writes_what_the_tensor_path_writes_and_refuses_nan_writing_nothing(wide):
     """The one-pass C++ insert (CPU) against the per-field tensor copies: same packed rows,
     generations and tree through ring wraps, a batch larger than the ring, bool / int8 /
     int16 / uint8 / float32 fields; a NaN anywhere in a float field (also in rows a too-large
-    batch drops) is refused naming the field and row, with nothing written."""
+    batch drops) is refused naming the field and row, with nothing written. Wide rows: the
+    kernel streams 2 rows at a time, so blocks wrap around the ring's end mid-block."""
     from replay_server._cpu_kernels import kernels
     if kernels() is None:
         pytest.skip("C++ kernels unavailable")
     fields = {"obs": FieldSpec((3,), torch.float32), "a": FieldSpec((2,), torch.uint8), "b": FieldSpec((), torch.bool),
               "c": FieldSpec((2, 2), torch.int16), "d": FieldSpec((), torch.int8), "r": FieldSpec((), torch.float32),
               "step": FieldSpec((), torch.int64)}
+    if wide:
+        fields["wide"] = FieldSpec((wide,), torch.float32)
     g = torch.Generator().manual_seed(3)
 
     def batch(m):
-        return {"obs": torch.randn(m, 3, generator=g), "a": torch.randint(0, 255, (m, 2), generator=g, dtype=torch.uint8),
+        return {**({"wide": torch.randn(m, wide, generator=g)} if wide else {}), "obs": torch.randn(m, 3, generator=g), "a": torch.randint(0, 255, (m, 2), generator=g, dtype=torch.uint8),
                 "b": torch.rand(m, generator=g) > 0.5, "c": torch.randint(-300, 300, (m, 2, 2), generator=g,
                                                                           dtype=torch.int16),
                 "d": torch.randint(-100, 100, (m,), generator=g, dtype=torch.int8), "r": torch.randn(m, generator=g),
