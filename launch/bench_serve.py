@@ -295,6 +295,15 @@ def replica_urls(haproxy_cfg: str) -> list[str]:
     return out
 
 
+def haproxy_config(folder: Path) -> str:
+    """The configuration Ray wrote for HAProxy under `folder` (Ray puts it in a per-node
+    subfolder of the configured location's folder)."""
+    found = sorted(Path(folder).glob("haproxy.cfg")) + sorted(Path(folder).glob("*/haproxy.cfg"))
+    if not found:
+        raise FileNotFoundError(f"no haproxy.cfg under {folder}")
+    return max(found, key=lambda p: p.stat().st_mtime).read_text()
+
+
 def _serve_cells(url: str, n: int, handle=None, direct: Optional[str] = None) -> dict:
     cells: dict = {}
     for b in SIZES:
@@ -341,7 +350,7 @@ def worker_main(ingress: str, checkpoint: str, n: int, out: str) -> None:
             _wait_healthy(url, 60)
             direct = None
             if haproxy and variant == "batched":
-                urls = replica_urls(Path(os.environ["RAY_SERVE_HAPROXY_CONFIG_FILE_LOC"]).read_text())
+                urls = replica_urls(haproxy_config(Path(os.environ["RAY_SERVE_HAPROXY_CONFIG_FILE_LOC"]).parent))
                 direct = urls[0] if urls else None
                 print(f"[{ingress}] replica's own port: {direct}", flush=True)
             res[variant] = _serve_cells(url, n, handle, direct)

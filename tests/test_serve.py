@@ -623,7 +623,7 @@ def test_clock_stamps_and_the_replicas_own_port(server):
     from apex_bdq.haproxy_ingress import private_folder
     from apex_bdq.serve_app import CLOCK_HEADER
     from apex_bdq.serving import MSGPACK, pack_array
-    from launch.bench_serve import replica_urls
+    from launch.bench_serve import haproxy_config, replica_urls
     macro, micro = obs(1, seed=5)
     body = msgpack.packb({"macro": pack_array(macro), "micro": pack_array(micro)}, use_bin_type=True)
     c = DecisionClient(server["url"])
@@ -638,7 +638,7 @@ def test_clock_stamps_and_the_replicas_own_port(server):
     assert status == 200
     stamps = [float(x) for x in h[CLOCK_HEADER].split(",")]
     assert len(stamps) == 4 and t0 <= stamps[0] <= stamps[1] <= stamps[2] <= stamps[3] <= t1
-    urls = replica_urls((private_folder(server["port"]) / "haproxy.cfg").read_text())
+    urls = replica_urls(haproxy_config(private_folder(server["port"])))
     assert len(urls) == 1 and urls[0] != server["url"]
     direct = DecisionClient(urls[0]).decide(macro, micro)
     via = DecisionClient(server["url"]).decide(macro, micro)
