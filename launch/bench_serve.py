@@ -263,10 +263,8 @@ INGRESSES = {  # name -> (environment read when Ray and Serve start, the variant
 
 
 def _free_port() -> int:
-    import socket
-    with socket.socket() as so:
-        so.bind(("127.0.0.1", 0))
-        return so.getsockname()[1]
+    from apex_bdq.replay_platform import free_port
+    return free_port()
 
 
 def _wait_healthy(url: str, seconds: float, proc=None, log: Optional[Path] = None) -> None:
