@@ -235,7 +235,18 @@ def bench_replay(repeats: int, seconds: float, capacity: int, batch: int, chunk:
         n = min(chunk, capacity - a)
         buf[a:a + n].copy_(rows[i % 4][:n])
     res["memcpy_insert_per_s"] = capacity / (time.perf_counter() - t0)
-    del buf, rows
+    # The floor of a sample + update step: the same memory traffic without a tree, i.e. a
+    # gather of `batch` uniformly drawn rows of that storage and a scatter of `batch` floats.
+    flat_p = torch.zeros(capacity)
+    out = torch.empty(batch, width)
+
+    def gather_step():
+        ix = torch.randint(0, capacity, (batch,))
+        torch.index_select(buf, 0, ix, out=out)
+        flat_p.index_copy_(0, ix, new_p)
+
+    res["gather_floor_steps_per_s"] = statistics.median(_time_loop(gather_step, seconds) for _ in range(repeats))
+    del buf, rows, flat_p, out
     gc.collect()
     # The same replay without the huge-page request (replay_server/_memory.py), side by side.
     os.environ["APEX_BDQ_NO_HUGEPAGES"] = "1"
@@ -308,7 +319,8 @@ def bench_replay(repeats: int, seconds: float, capacity: int, batch: int, chunk:
         ins = res.get(f"{name}_insert_per_s")
         print(f"{name:18} {v:>12,.0f} {ins:>14,.0f}" if v and ins else f"{name:18} {v:>12,.0f}" if v
               else f"{name:18} {'n/a':>12}")
-    print(f"{'memcpy (floor)':18} {'':>12} {res['memcpy_insert_per_s']:>14,.0f}")
+    print(f"{'floor':18} {res['gather_floor_steps_per_s']:>12,.0f} {res['memcpy_insert_per_s']:>14,.0f}"
+          "   (gather + scatter of the same rows; memcpy of the same bytes)")
     print(f"bytes/transition {res['bytes_per_transition']:.0f}, peak RSS {res['peak_rss_mb']:,.0f} MB; "
           f"ours / faster peer: {res['ratio_vs_faster_peer']:.2f}x" if peer else "")
     if res.get("cpprb_insert_per_s"):
@@ -316,7 +328,8 @@ def bench_replay(repeats: int, seconds: float, capacity: int, batch: int, chunk:
         res["sample_update_ratio_vs_cpprb"] = res["ours_steps_per_s"] / res["cpprb_steps_per_s"]
         print(f"insert: ours / cpprb {res['insert_ratio_vs_cpprb']:.2f}x, ours / memcpy floor "
               f"{res['ours_insert_per_s'] / res['memcpy_insert_per_s']:.2f}x; sample + update: ours / cpprb "
-              f"{res['sample_update_ratio_vs_cpprb']:.2f}x")
+              f"{res['sample_update_ratio_vs_cpprb']:.2f}x, ours / gather floor "
+              f"{res['ours_steps_per_s'] / res['gather_floor_steps_per_s']:.2f}x")
     return res
 
 
