@@ -350,3 +350,21 @@ def test_cpp_insert_writes_what_the_tensor_path_writes_and_refuses_nan_writing_n
         with pytest.raises(ReplayError, match=rf"field '{field}' has NaN or infinite values \(row {row}\)"):
             fast.add(bad)  # row 3 / 0 lies in the part a 60-row batch drops from a 50-slot ring
     assert torch.equal(fast.packed, before[0]) and torch.equal(fast.generation, before[1]) and fast.writes == before[2]
+
+
+def test_bench_replay_prints_its_floors(capsys):
+    """`launch.bench replay` at small size: every rate measured, the floors beside them."""
+    import os
+
+    from launch.bench import bench_replay
+    cpus = os.sched_getaffinity(0)
+    try:
+        res = bench_replay(repeats=1, seconds=0.05, capacity=8192, batch=64, chunk=1024, peers=False)
+    finally:
+        os.sched_setaffinity(0, cpus)  # the bench pins itself to one core
+    for key in ("ours_steps_per_s", "ours_insert_per_s", "memcpy_insert_per_s", "gather_floor_steps_per_s",
+                "ours_no_hugepages_steps_per_s"):
+        assert np.isfinite(res[key]) and res[key] > 0, key
+    assert res["bytes_per_transition"] > 2000  # platform v2's rows
+    out = capsys.readouterr().out
+    assert "floor" in out and "gather + scatter" in out
