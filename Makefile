@@ -31,7 +31,7 @@ soak: $(STAMP)
 	$(BIN)/python -m launch.soak --minutes 10 --json runs/soak.json
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 # The fast loop (no Ray cluster, nothing slow): a few minutes; `make test` stays the full suite.
 check: $(STAMP)
