@@ -12,8 +12,10 @@ admission level). The guard
   2. falls back to the rule's decision for a shard whose observation lies outside what
      training covered: its load shape (per class the newest 2-minute arrival rate, its
      growth over the block before, its ratio to the last 32 minutes' mean: what a burst the
-     training days never showed looks like) outside the range the training days span,
-     widened by `ood_margin` of that range on each side.
+     training days never showed looks like; and its roughness, the rms second difference of
+     the 2-minute rates over their mean: minute-scale burstiness a smoother training trace
+     never showed) outside the range the training days span, widened by `ood_margin` of that
+     range on each side.
 
 The coverage is measured once per trace and config (the training days under the rule, and
 with `sim.augment` on the augmented episodes too) and cached under the yardstick's cache
@@ -33,7 +35,8 @@ import numpy as np
 from apex_bdq.config import GuardConfig, SimConfig, TrainConfig
 from apex_bdq.durable import atomic_write_bytes
 
-FEATURES = ("rate", "growth", "trend")  # per class, from the coarse arrival history
+FEATURES = ("rate", "growth", "trend", "roughness")  # per class, from the coarse arrival history
+NF = len(FEATURES)
 EPS = 0.05  # rates are in units of the class's mean rate: a floor for the ratios
 
 
@@ -51,12 +54,18 @@ def _layout(sim: SimConfig) -> tuple[np.ndarray, int]:
 
 
 def load_shape(macro: np.ndarray, idx: np.ndarray) -> np.ndarray:
-    """[B, K * 3] the guard's features of a batch of macro observations [B, F]."""
+    """[B, K * NF] the guard's features of a batch of macro observations [B, F]."""
     blocks = macro[:, idx]  # [B, K, Hc]
     new, prev = blocks[..., -1], blocks[..., -2] if blocks.shape[-1] > 1 else blocks[..., -1]
+    mean = np.maximum(blocks.mean(-1), EPS)
     growth = new / np.maximum(prev, EPS)
-    trend = new / np.maximum(blocks.mean(-1), EPS)
-    return np.concatenate([new, growth, trend], axis=1)
+    trend = new / mean
+    if blocks.shape[-1] > 2:
+        d2 = blocks[..., 2:] - 2.0 * blocks[..., 1:-1] + blocks[..., :-2]
+        rough = np.sqrt((d2 * d2).mean(-1)) / mean
+    else:
+        rough = np.zeros_like(new)
+    return np.concatenate([new, growth, trend, rough], axis=1)
 
 
 @dataclasses.dataclass
@@ -65,7 +74,7 @@ class Guard:
     rule: np.ndarray  # [D] the reference rule's sub-actions
     plan_lo: int
     plan_hi: int
-    lo: np.ndarray  # [K * 3] coverage, widened by the margin
+    lo: np.ndarray  # [K * NF] coverage, widened by the margin
     hi: np.ndarray
     idx: np.ndarray  # [K, Hc] macro indices of the rate blocks
     K: int
@@ -79,8 +88,9 @@ class Guard:
         plan = int(rule[0])
         n, K = sim.sub_actions, sim.num_classes
         covered_lo, covered_hi = np.asarray(covered_lo, np.float64), np.asarray(covered_hi, np.float64)
-        if covered_lo.shape != (3 * K,) or covered_hi.shape != (3 * K,):
-            raise GuardError(f"coverage must have {3 * K} features per bound, got {covered_lo.shape} / {covered_hi.shape}")
+        if covered_lo.shape != (NF * K,) or covered_hi.shape != (NF * K,):
+            raise GuardError(f"coverage must have {NF * K} features per bound ({', '.join(FEATURES)} per class), "
+                             f"got {covered_lo.shape} / {covered_hi.shape}")
         span = np.maximum(covered_hi - covered_lo, 0.0)
         idx, _ = _layout(sim)
         return cls(cfg=cfg, rule=rule, plan_lo=max(0, plan - cfg.plan_below), plan_hi=min(n - 1, plan + cfg.plan_above),
@@ -143,8 +153,8 @@ def measure_coverage(sim: SimConfig, shards: int = 256) -> tuple[np.ndarray, np.
     from apex_bdq.sim import make_sim
     from apex_bdq.sim.baselines import default_actions
     idx, _ = _layout(sim)
-    lo = np.full(3 * sim.num_classes, np.inf)
-    hi = np.full(3 * sim.num_classes, -np.inf)
+    lo = np.full(NF * sim.num_classes, np.inf)
+    hi = np.full(NF * sim.num_classes, -np.inf)
     runs = []
     ecfg, ticks = eval_config(sim.replace(augment=dataclasses.replace(sim.augment, enabled=False)), shards, "train")
     runs.append((make_sim(ecfg.replace(num_shards=shards), split="train", phases="even"), ticks))

@@ -9,7 +9,7 @@ import torch
 
 from apex_bdq.config import AugmentConfig, ConfigError, GuardConfig, SimConfig, TraceConfig, apply_overrides
 from apex_bdq.evaluation import evaluate_learned, evaluate_policy
-from apex_bdq.guard import Guard, GuardedPolicy, _layout, coverage, guard_for, load_shape
+from apex_bdq.guard import NF, Guard, GuardedPolicy, _layout, coverage, guard_for, load_shape
 from apex_bdq.networks import BDQNetwork
 from apex_bdq.presets import PRESETS
 from apex_bdq.sim import make_sim
@@ -18,7 +18,7 @@ from apex_bdq.sim.platform_v2 import default_action_v2
 
 SIM = SimConfig(num_shards=8, seed=1)
 K = SIM.num_classes
-WIDE = (np.zeros(3 * K), np.full(3 * K, 1e9))  # a coverage every observation lies in
+WIDE = (np.zeros(NF * K), np.full(NF * K, 1e9))  # a coverage every observation lies in
 
 
 def macro_batch(n=6, seed=0):
@@ -65,12 +65,31 @@ def test_an_observation_outside_the_coverage_falls_back_to_the_rule():
     np.testing.assert_allclose(g2.lo, g.lo) and np.testing.assert_allclose(g2.hi, g.hi)
 
 
+def test_minute_scale_burstiness_alone_falls_back_to_the_rule():
+    """Roughness: the same newest rate, growth and 32-minute mean, but 2-minute rates that
+    zigzag as a smoothed training trace never does: out of coverage on that feature alone."""
+    macro = macro_batch()
+    idx, Hc = _layout(SIM)
+    f = load_shape(macro.astype(np.float64), idx)
+    g = Guard.build(GuardConfig(ood_margin=0.5), SIM, f.min(0), f.max(0))
+    rough = macro.copy()
+    blocks = rough[4, idx[0]]
+    zigzag = 0.8 * blocks.mean() * np.array([1.0, -1.0] * ((Hc - 2) // 2) + [0.0] * (2 + (Hc - 2) % 2))
+    rough[4, idx[0]] = blocks + zigzag  # the newest two blocks and the mean unchanged
+    f2 = load_shape(rough.astype(np.float64), idx)
+    K = SIM.num_classes
+    np.testing.assert_allclose(f2[4, :3 * K], f[4, :3 * K], rtol=1e-5)  # rate, growth, trend: as before
+    assert f2[4, 3 * K] > 5 * f[:, 3 * K].max()
+    _, _, _, back = g.apply(rough, np.zeros((6, SIM.num_branches), dtype=np.int64))
+    np.testing.assert_array_equal(back, np.arange(6) == 4)
+
+
 def test_the_guarded_policy_reports_its_shares_and_a_full_fallback_is_the_rule():
     torch.manual_seed(0)
     cfg = PRESETS["smoke"]
     net = BDQNetwork(cfg.net)
     from apex_bdq.checkpoint import GreedyPolicy
-    nothing = (np.full(3 * K, 1e9), np.full(3 * K, 2e9))  # a coverage no observation lies in
+    nothing = (np.full(NF * K, 1e9), np.full(NF * K, 2e9))  # a coverage no observation lies in
     pol = GuardedPolicy(GreedyPolicy(net, cfg.agent.decision_ticks), Guard.build(GuardConfig(), cfg.sim, *nothing))
     m = evaluate_policy(pol, cfg.sim, shards=2, ticks=120).metrics
     s = pol.shares()

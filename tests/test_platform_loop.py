@@ -126,7 +126,7 @@ def test_shadow_mode_applies_the_rule_and_logs_the_policy(tmp_path):
 
 
 def test_every_fallback_path_falls_back_to_the_rule_and_is_counted():
-    from apex_bdq.guard import Guard
+    from apex_bdq.guard import NF, Guard
     p, good = _sim_reading()
     ctl = ControlConfig(mode="control")
 
@@ -153,7 +153,7 @@ def test_every_fallback_path_falls_back_to_the_rule_and_is_counted():
     assert d.applied is None and d.fallback == "timeout" and c.applied is None
     # out of range: coverage that no load shape lies in
     K = CFG.num_classes
-    narrow = Guard.build(GuardConfig(ood_margin=0.0), CFG, np.full(3 * K, 100.0), np.full(3 * K, 101.0))
+    narrow = Guard.build(GuardConfig(ood_margin=0.0), CFG, np.full(NF * K, 100.0), np.full(NF * K, 101.0))
     c = Controller(CFG, random_policy(guard=narrow), ctl, classes=p.classes)
     d = c.decide(0.0, good)
     assert d.fallback == "out_of_range" and (d.applied == d.rule).all()
