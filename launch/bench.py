@@ -240,13 +240,13 @@ def bench_replay(repeats: int, seconds: float, capacity: int, batch: int, chunk:
     flat_p = torch.zeros(capacity)
     out = torch.empty(batch, width)
 
-    def gather_step():
+    def gather_step(buf=buf, out=out, flat_p=flat_p):
         ix = torch.randint(0, capacity, (batch,))
         torch.index_select(buf, 0, ix, out=out)
         flat_p.index_copy_(0, ix, new_p)
 
     res["gather_floor_steps_per_s"] = statistics.median(_time_loop(gather_step, seconds) for _ in range(repeats))
-    del buf, rows, flat_p, out
+    del buf, rows, flat_p, out, gather_step
     gc.collect()
     # The same replay without the huge-page request (replay_server/_memory.py), side by side.
     os.environ["APEX_BDQ_NO_HUGEPAGES"] = "1"

@@ -25,8 +25,8 @@ printed as equal rates.
 and one or more rate columns; `--trace shared` evaluates on every CSV of ../shared/traces.
 Without `--trace` the platform's bundled trace is used (v2: four weeks of NASA-HTTP 1995,
 held-out days 22-28). A checkpoint is evaluated on the platform it was trained for (its
-simulator settings, not its trace); checkpoints trained on different platforms are refused
-together.
+simulator settings, not its trace or its training-time augmentation); checkpoints trained on
+different platforms are refused together.
 """
 
 from __future__ import annotations
@@ -154,7 +154,10 @@ def checkpoint_platform(names: list[str], base: SimConfig) -> tuple[SimConfig, l
                 sim = sim_config_from_dict(ck["config"]["sim"])
             except (KeyError, TypeError, ConfigError) as e:
                 raise CheckpointError(f"checkpoint {path!r} has no usable simulator config: {e}") from e
-            found[path] = sim.replace(trace=base.trace, seed=base.seed, num_shards=base.num_shards)
+            # trace augmentation is training-only: checkpoints trained with and without it
+            # run on the same platform (each under its own guard, whose coverage includes it)
+            found[path] = sim.replace(trace=base.trace, seed=base.seed, num_shards=base.num_shards,
+                                      augment=base.augment)
     if not found:
         return base, []
     (first, cfg), *rest = found.items()

@@ -9,7 +9,7 @@ import torch
 
 from actors.rollout import RolloutWorker
 from apex_bdq.checkpoint import CheckpointError, load_checkpoint, load_policy
-from apex_bdq.config import AgentConfig, ConfigError, NetConfig, SimConfig, TrainConfig, apply_overrides
+from apex_bdq.config import AgentConfig, AugmentConfig, ConfigError, NetConfig, SimConfig, TrainConfig, apply_overrides
 from apex_bdq.nstep import NStepAccumulator
 from apex_bdq.local_runner import LocalTrainer
 from apex_bdq.presets import PRESETS
@@ -162,6 +162,12 @@ def test_checkpoint_errors_name_the_problem(tmp_path, capsys):
     LocalTrainer(PRESETS["smoke"]).checkpoint(smoke_ck)
     assert evaluate.main(["--policy", f"checkpoint:{ck},checkpoint:{smoke_ck}", "--quiet"]) == 2
     assert "trained on different platforms (sim fields platform" in capsys.readouterr().err
+    # Trace augmentation is training-only: a checkpoint trained with it shares the table.
+    aug_cfg = dataclasses.replace(PRESETS["smoke"], sim=PRESETS["smoke"].sim.replace(augment=AugmentConfig(enabled=True)))
+    aug_ck = tmp_path / "aug.pt"
+    LocalTrainer(aug_cfg).checkpoint(aug_ck)
+    cfg_both, _ = evaluate.checkpoint_platform([f"checkpoint:{smoke_ck}", f"checkpoint:{aug_ck}"], SimConfig())
+    assert cfg_both.platform == "v2" and not cfg_both.augment.enabled
 
 
 def test_train_config_checks():
