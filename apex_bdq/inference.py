@@ -16,8 +16,9 @@ when the weights load:
 The result equals the network's Q up to float32 rounding (tests/test_inference.py checks
 both against each other on trained-like and random weights); on the 2-core VM one shard's
 forward is ~10x faster (0.88 -> 0.07 ms); at 1,024 shards the GEMMs' arithmetic dominates
-and the gain is ~1.1x (`python -m launch.bench serve` prints both side by side). The network itself stays the model that trains and that checkpoints hold; this is a
-read-only view of one version of its weights.
+and the gain is ~1.1x (`python -m launch.bench serve` prints both side by side). The
+network itself stays the model that trains and that checkpoints hold; this is a read-only
+view of one version of its weights.
 """
 
 from __future__ import annotations

@@ -43,6 +43,8 @@ from typing import Optional
 
 import numpy as np
 
+from apex_bdq.replay_platform import free_port
+
 SIZES = (1, 256)
 BIG = 1024
 """Shards per request of the largest requests (throughput only: c1 and c16, msgpack)."""
@@ -262,11 +264,6 @@ INGRESSES = {  # name -> (environment read when Ray and Serve start, the variant
 }
 
 
-def _free_port() -> int:
-    from apex_bdq.replay_platform import free_port
-    return free_port()
-
-
 def _wait_healthy(url: str, seconds: float, proc=None, log: Optional[Path] = None) -> None:
     from apex_bdq.client import DecisionClient
     deadline = time.time() + seconds
@@ -327,13 +324,13 @@ def _serve_cells(url: str, n: int, handle=None, direct: Optional[str] = None) ->
 def worker_main(ingress: str, checkpoint: str, n: int, out: str) -> None:
     env, variants = INGRESSES[ingress]
     os.environ.update(env)
-    port = _free_port()
+    port = free_port()
     haproxy = env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
     if haproxy:  # as launch.serve runs it: config and admin socket in a private folder
         from apex_bdq.haproxy_ingress import private_ingress_env
         os.environ.update(private_ingress_env(port))
-        os.environ.setdefault("RAY_SERVE_HAPROXY_STATS_PORT", str(_free_port()))
-        os.environ.setdefault("RAY_SERVE_HAPROXY_METRICS_PORT", str(_free_port()))
+        os.environ.setdefault("RAY_SERVE_HAPROXY_STATS_PORT", str(free_port()))
+        os.environ.setdefault("RAY_SERVE_HAPROXY_METRICS_PORT", str(free_port()))
     import ray
     from ray import serve
 
@@ -362,7 +359,7 @@ def worker_main(ingress: str, checkpoint: str, n: int, out: str) -> None:
 
 def bare_asgi(checkpoint: str, n: int, tmp: Path) -> dict:
     """The floors without Ray: launch/_bare_asgi.py in a subprocess, the same client."""
-    port = _free_port()
+    port = free_port()
     log = tmp / "bare_asgi.out"
     with open(log, "w") as f:
         proc = subprocess.Popen([sys.executable, "-m", "launch._bare_asgi", "--checkpoint", checkpoint, "--port",
@@ -601,9 +598,9 @@ def bench_serve_abuse(seconds: float = 20.0, checkpoint: Optional[str] = None) -
         if not Path(checkpoint).is_file():
             write_random_checkpoint(Path(checkpoint))
 
-    port = _free_port()
-    env = dict(os.environ, RAY_SERVE_HAPROXY_STATS_PORT=str(_free_port()),
-               RAY_SERVE_HAPROXY_METRICS_PORT=str(_free_port()))
+    port = free_port()
+    env = dict(os.environ, RAY_SERVE_HAPROXY_STATS_PORT=str(free_port()),
+               RAY_SERVE_HAPROXY_METRICS_PORT=str(free_port()))
     log = open(tmp / "serve.out", "w")
     proc = subprocess.Popen([sys.executable, "-m", "launch.serve", "--checkpoint", checkpoint, "--port", str(port)],
                             env=env, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1])
