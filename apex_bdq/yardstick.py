@@ -62,9 +62,10 @@ def sweeps_for(cfg: SimConfig) -> dict:
 
 def sweep(rule: str, cfg: SimConfig, values, shards: int, replicas: int, seed: int = 12345,
           split: str = "eval", progress: Optional[Callable[[int, int], None]] = None,
-          ticks: Optional[int] = None) -> list[dict]:
-    """One frontier's raw points: rule `rule` at every value of its setting, side by side in
-    one simulator (on v2 meeting the same arrivals). Each point is
+          ticks: Optional[int] = None, options: Optional[dict] = None) -> list[dict]:
+    """One frontier's raw points: rule `rule` at every value of its setting (its other
+    arguments from `options`), side by side in one simulator (on v2 meeting the same
+    arrivals). Each point is
     {setting, cost, slo_violation_rate, cost_se, slo_violation_rate_se, refused_share, slo_windows}."""
     from apex_bdq.sim.baselines import Constant, default_action, make_baseline
     if rule == "tiers":  # constant capacity tiers, the other branches at their defaults
@@ -80,7 +81,7 @@ def sweep(rule: str, cfg: SimConfig, values, shards: int, replicas: int, seed: i
     else:
         name, _ = (ORACLE_SWEEP if rule == "oracle" else sweeps_for(cfg)[rule])
         values = tuple(float(v) for v in values)
-        policy = make_baseline(rule, **{name: list(values)})
+        policy = make_baseline(rule, **{name: list(values)}, **(options or {}))
     metrics, _ = evaluate_groups(policy, cfg, len(values), shards=shards, ticks=ticks, replicas=replicas,
                                  seed=seed, split=split, progress=progress)
     return [point(v, m) for v, m in zip(values, metrics)]
@@ -208,6 +209,51 @@ def headroom(frontiers: dict, oracle: list[dict], rates: tuple[float, ...], wind
         out.append({"slo_violation_rate": v, "best_rule": rule, "best_rule_cost": c, "oracle_cost": co,
                     "oracle_saving": None if (c is None or co is None) else 1.0 - co / c})
     return out
+
+
+def ladder_rungs(cfg: SimConfig) -> tuple[tuple[str, dict], ...]:
+    """The oracle with its privileges taken away one at a time (`Oracle`'s arguments): it
+    first loses the next provisioning delay's rate, then reads the rate of the moment as late
+    as monitoring does, then holds capacity as HPA does before it scales down. The last rung
+    is a reactive rule with the rules' lag and hold that knows the true rate: what is left
+    between it and the best rule is the cost of measuring the rate from arrivals."""
+    lag, hold = cfg.monitor_lag_s, cfg.scale_down_window_s
+    return (("oracle", {}),
+            ("no foresight", {"lead_s": 0.0}),
+            (f"+ {lag:g}-s monitoring lag", {"lead_s": 0.0, "lag_s": lag}),
+            (f"+ {hold:g}-s scale-down hold", {"lead_s": 0.0, "lag_s": lag, "hold_s": hold}))
+
+
+LADDER_MARGINS = ORACLE_SWEEP[1] + (1.75, 2.0)
+
+
+def ladder(cfg: SimConfig, frontiers: dict, shards: int, replicas: int, rates: tuple[float, ...], windows: int,
+           seed: int = 12345, split: str = "eval", ticks: Optional[int] = None,
+           log: Optional[Callable[[str], None]] = None) -> list[dict]:
+    """Where the oracle's room comes from (v2): every rung of `ladder_rungs` swept over its
+    margin on the same arrivals as the frontiers, and at each violation rate of `rates` its
+    cost on its own frontier and the share of the best-rule -> oracle gap it still closes.
+    Returns [{"rung", "options", "points", "at": [{slo_violation_rate, cost, gap_closed}]}]."""
+    if cfg.platform != "v2":
+        raise YardstickError("the oracle ladder exists on platform v2 only")
+    floor = 0.5 / max(windows, 1)
+    rungs = []
+    for name, opts in ladder_rungs(cfg):
+        if log:
+            log(f"ladder: sweeping '{name}' over {len(LADDER_MARGINS)} margins")
+        rungs.append({"rung": name, "options": opts,
+                      "points": sweep("oracle", cfg, LADDER_MARGINS, shards, replicas, seed, split, None, ticks, opts)})
+    full = pareto(rungs[0]["points"])
+    for r in rungs:
+        front, r["at"] = pareto(r["points"]), []
+        for v in rates:
+            _, c_star = best_rule_cost(frontiers, v, floor)
+            c, c_o = cost_at(front, v, floor), cost_at(full, v, floor)
+            gap = None
+            if None not in (c, c_star, c_o) and c_star - c_o > 1e-12:
+                gap = (c_star - c) / (c_star - c_o)
+            r["at"].append({"slo_violation_rate": v, "cost": c, "best_rule_cost": c_star, "gap_closed": gap})
+    return rungs
 
 
 def check_resolution(frontiers: dict, windows: int) -> None:

@@ -2,7 +2,7 @@
 
     python -m launch.evaluate [--policy all|NAME,...|checkpoint:PATH] [--trace CSV|shared]
         [--platform v2|v1] [--columns COL ...] [--interval-s S] [--shards N] [--replicas R]
-        [--ticks N] [--json PATH] [--plot PNG] [--series PNG] [--no-frontier] [--no-cache]
+        [--ticks N] [--json PATH] [--plot PNG] [--series PNG] [--no-frontier] [--no-cache] [--ladder]
 
 For every policy: cost and SLO-violation rate (late + refused work) with standard errors
 over the segments of the range; against the frontier of every rule swept over its setting
@@ -16,6 +16,12 @@ are computed once (about a minute on 2 cores) and cached (APEX_BDQ_CACHE, defaul
 `oracle_frontier`, `headroom`, and per policy under `policies` its metrics with
 `cost_saving_vs_best_rule`, `violation_ratio_vs_best_rule`, `oracle_gap_closed`,
 `refused_share`.
+
+`--ladder` (v2) splits the oracle's room: the oracle swept again without foresight, then also
+reading the rate as late as monitoring does, then also holding capacity as HPA does; at each
+headroom rate every rung's cost and the share of the gap it still closes (JSON
+`oracle_ladder`). The last rung is a reactive rule that knows the true rate: what separates
+it from the best rule is measuring that rate from arrivals, which no policy escapes.
 
 A comparison rests on the settled class-windows of the range; with too few to tell the
 rules' settings apart (a short or very bursty trace) it is refused with the reason, not
@@ -114,6 +120,20 @@ def print_frontiers(fronts: dict, oracle: list[dict]) -> None:
         cells = [f"{s:g}: {c:.3f} / {v:.4f}{'*' if on else ''}" for s, c, v, on in ys.as_table_rows(pts)]
         print(f"  {rule:<10} " + "   ".join(cells))
     print("  (setting: cost / SLO violation rate)")
+
+
+def print_ladder(rungs: list[dict]) -> None:
+    """The oracle ladder: per rung its cost on its own frontier at each violation rate and the
+    share of the best-rule -> oracle gap it still closes."""
+    rates = [x["slo_violation_rate"] for x in rungs[0]["at"]]
+    print("\nthe oracle's room, privilege by privilege (cost on the rung's own frontier; share of the "
+          "best rule -> oracle gap):")
+    print(f"{'':<28}" + "".join(f"{'at ' + format(v, '.4f'):>22}" for v in rates))
+    print(f"{'best rule':<28}" + "".join(f"{_num(x['best_rule_cost']):>22}" for x in rungs[0]["at"]))
+    for r in rungs:
+        cells = [f"{_num(x['cost'])} ({'-' if x['gap_closed'] is None else format(100 * x['gap_closed'], '.0f') + ' %'})"
+                 for x in r["at"]]
+        print(f"{r['rung']:<28}" + "".join(f"{c:>22}" for c in cells))
 
 
 def make_policy(name: str, cfg: SimConfig):
@@ -294,6 +314,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--series", help="write a PNG of load vs capacity vs p99 over time here")
     ap.add_argument("--no-frontier", action="store_true", help="no rule sweeps and no yardstick, metrics only")
     ap.add_argument("--no-cache", action="store_true", help="recompute the frontiers even if cached")
+    ap.add_argument("--ladder", action="store_true",
+                    help="v2: also split the oracle's room: the oracle without foresight, then with the "
+                         "monitoring lag, then with HPA's scale-down hold, each swept over its margin")
     ap.add_argument("--quiet", action="store_true", help="no progress line")
     a = ap.parse_args(argv)
 
@@ -319,6 +342,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     replicas = a.replicas if a.replicas is not None else replicas_d
     if shards < 1 or replicas < 1 or (a.ticks is not None and a.ticks < 1):
         ap.error("--shards, --replicas and --ticks must be >= 1")
+    if a.ladder and (platform.platform != "v2" or a.no_frontier):
+        ap.error("--ladder needs platform v2 and the frontiers (not --no-frontier)")
 
     if a.trace == "shared":
         if not SHARED_TRACES.is_dir():
@@ -380,6 +405,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                     print(f"headroom at violation rate {h['slo_violation_rate']:.4f}: the best rule "
                           f"({h['best_rule'] or '-'}) costs {_num(h['best_rule_cost'])}, the oracle "
                           f"{_num(h['oracle_cost'])}: oracle saving {_pct(h['oracle_saving'])}")
+                if a.ladder:
+                    rates = tuple(h["slo_violation_rate"] for h in judged.get("headroom", [])) or HEADROOM_RATES
+                    entry["oracle_ladder"] = ys.ladder(
+                        cfg, judged["frontiers"], shards, replicas, rates, first["slo_windows"], ticks=a.ticks,
+                        log=(lambda s: print(f"  {s}", file=sys.stderr, flush=True)) if show else None)
+                    print_ladder(entry["oracle_ladder"])
             else:
                 compared += 1
         all_results[label] = entry

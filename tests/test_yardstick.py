@@ -3,6 +3,7 @@ figures, refusals on ranges too thin to tell policies apart, and the oracle as a
 
 import math
 
+import numpy as np
 import pytest
 
 from apex_bdq import yardstick as ys
@@ -92,3 +93,56 @@ def test_the_oracle_is_never_worse_than_every_rule_at_its_own_violation_rate(dai
     p = evaluate_policy(Predictive(margin=1.2), cfg, shards=4, replicas=1).metrics
     assert p["cost"] == pytest.approx(fronts["predictive"][2]["cost"])
     assert p["slo_violation_rate"] == fronts["predictive"][2]["slo_violation_rate"]
+
+
+def test_the_oracle_without_its_privileges_sizes_for_the_lagged_held_true_rate():
+    """lead_s=0, lag_s and hold_s: the replicas of margin x the highest true rate of
+    [t - lag - hold, t - lag]; the default still sizes for the next provisioning delay."""
+    from apex_bdq.sim import make_sim
+    from apex_bdq.sizing import replicas_for
+    sim = make_sim(SimConfig(num_shards=3, seed=2))
+    sim.reset(seed=2)
+    lam = sim.lam_table.astype(float)
+    weak, full = Oracle(margin=1.1, lead_s=0, lag_s=15, hold_s=120), Oracle(margin=1.1)
+    weak.reset(sim)
+    full.reset(sim)
+    for _ in range(200):
+        _, cap = weak.act(sim, None)
+        sim.step(full.act(sim, None)[0], capacity_target=cap)
+    idx = sim.trace_index()
+    held = [lam[max(i - 15 - 120, 0):i - 15 + 1].max(0) for i in idx]
+    assert (weak.act(sim, None)[1] == replicas_for(1.1 * np.array(held), sim.sizing)).all()
+    ahead = [lam[i:i + sim.L + 1].max(0) for i in idx]
+    assert (full.act(sim, None)[1] == replicas_for(1.1 * np.array(ahead), sim.sizing)).all()
+    for bad in ({"lag_s": -1.0}, {"hold_s": float("nan")}, {"lead_s": "60"}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            Oracle(**bad)
+
+
+@pytest.mark.slow
+def test_evaluate_ladder_splits_the_oracles_room(daily_trace, tmp_path, monkeypatch):
+    """`launch.evaluate --ladder` on a test trace: four rungs in the JSON; the full oracle
+    closes the whole gap on its own frontier, and taking its foresight away never makes it
+    cheaper at the same violation rate."""
+    import json
+
+    from launch import evaluate
+    monkeypatch.setenv("APEX_BDQ_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "ladder.json"
+    rc = evaluate.main(["--policy", "predictive", "--trace", str(daily_trace(days=2)), "--columns", "requests",
+                        "--shards", "4", "--replicas", "1", "--ladder", "--json", str(out), "--quiet"])
+    assert rc == 0
+    rungs = json.loads(out.read_text())["oracle_ladder"]
+    assert [r["rung"] for r in rungs][:2] == ["oracle", "no foresight"] and len(rungs) == 4
+    assert rungs[3]["options"] == {"lead_s": 0.0, "lag_s": 15.0, "hold_s": 300.0}
+    defined = 0
+    for full, blind in zip(rungs[0]["at"], rungs[1]["at"]):
+        if full["gap_closed"] is not None:
+            assert full["gap_closed"] == pytest.approx(1.0)
+        if full["cost"] is not None and blind["cost"] is not None:
+            assert blind["cost"] >= full["cost"]
+            defined += 1
+    assert defined >= 1
+    with pytest.raises(SystemExit) as e:  # v1 has no oracle to take apart
+        evaluate.main(["--platform", "v1", "--ladder", "--policy", "hpa"])
+    assert e.value.code == 2

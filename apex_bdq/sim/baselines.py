@@ -14,6 +14,7 @@ the queueing model (`apex_bdq.sizing`) and exist on v2 only.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from typing import Optional, Protocol
 
@@ -351,24 +352,39 @@ class Oracle:
     gets the replicas the queueing model needs for `margin` x the highest rate of the next
     `lead` (default: the provisioning delay, so what it launches now is ready when that rate
     comes). It knows the trace's rate, not the Poisson arrivals drawn around it; `margin`
-    covers those and is the setting swept into its frontier."""
+    covers those and is the setting swept into its frontier.
+
+    `lag_s` and `hold_s` take privileges away, for the ladder that splits the oracle's room
+    (`apex_bdq.yardstick.ladder`): the rate is read `lag_s` late (as monitoring reports it),
+    and capacity comes down only after the highest sizing of the last `hold_s` (as HPA's
+    scale-down window holds it). With lead 0, the monitoring lag and the hold, it is a
+    reactive rule that knows the true rate instead of measuring it from arrivals."""
 
     name = "oracle"
     needs_observation = False  # reads the monitored signals, not the observation
 
-    def __init__(self, margin: float = 1.1, lead_s: Optional[float] = None) -> None:
+    def __init__(self, margin: float = 1.1, lead_s: Optional[float] = None, lag_s: float = 0.0,
+                 hold_s: float = 0.0) -> None:
         _check_range(margin, 0.0, np.inf, "margin")
-        self.margin_setting, self.lead_s = margin, lead_s
+        for name, v in (("lead_s", lead_s), ("lag_s", lag_s), ("hold_s", hold_s)):
+            if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"oracle {name} must be a number of seconds >= 0, got {v!r}")
+        self.margin_setting, self.lead_s, self.lag_s, self.hold_s = margin, lead_s, lag_s, hold_s
 
     def reset(self, sim) -> None:
         _require_v2(sim, self.name)
         lead = sim.L if self.lead_s is None else max(0, int(round(self.lead_s / sim.dt)))
-        self.future_peak = window_max(sim.lam_table, lead + 1)  # [T, K] max over [t, t + lead]
+        rate = window_max(sim.lam_table, lead + 1)  # [T, K] max over [t, t + lead]
+        hold = int(round(self.hold_s / sim.dt))
+        if hold:  # max over [t - hold, t]: sizing is monotone in the rate, so this holds the replicas
+            rate = window_max(rate[::-1], hold + 1)[::-1]
+        self.rate = np.ascontiguousarray(rate)
+        self.lag = int(round(self.lag_s / sim.dt))
         self.actions = default_actions(sim)
         self.margin = per_shard(self.margin_setting, sim.S, "margin")
 
     def act(self, sim, obs):
-        rate = self.future_peak[sim.trace_index()].astype(np.float64) * self.margin
+        rate = self.rate[np.maximum(sim.trace_index() - self.lag, 0)].astype(np.float64) * self.margin
         return self.actions, replicas_for(rate, sim.sizing)
 
 
