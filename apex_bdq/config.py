@@ -8,6 +8,7 @@ value that was given.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -590,26 +591,41 @@ BACKENDS = ("ddp", "deepspeed", "accelerate")
 class GuardConfig:
     """The guard around the learned policy on platform v2 (apex_bdq/guard.py): part of the
     policy, on in evaluation and serving, off while it explores. It bounds each learned
-    decision relative to the reference rule's (the platform's default setting: plan 1.3 x the
-    monitored load, 300-s hold, admit everything; a reactive rule sized with the queueing
-    model that sits on the best rule's frontier) and falls back to that rule on a shard whose
-    observation lies outside what training covered."""
+    decision in two ways: its sub-actions relative to the platform's default setting (plan
+    1.3 x the monitored load, 300-s hold, admit everything), which needs only the
+    observation and so runs behind Serve too; and, where replicas are computed (the
+    simulator), its replicas relative to the best rule's, the predictive rule's at margins
+    `floor_margin` and `ceiling_margin` (its own default is 1.2). On a shard whose observation
+    lies outside what training covered it falls back to the rules: the default setting's
+    sub-actions and, where replicas are computed, the predictive rule's replicas."""
 
     enabled: bool = True
     plan_below: int = 1
-    """Plan-factor levels the learned plan may sit below the rule's (1: 1.15 vs 1.3)."""
+    """Plan-factor levels the learned plan may sit below the default's (1: 1.15 vs 1.3)."""
     plan_above: int = 2
     """Plan-factor levels it may sit above (2: up to 1.75)."""
     max_admission: int = 0
     """Highest admission level allowed (0: admit everything, as the rule does)."""
     ood_margin: float = 0.25
     """A feature is outside training's coverage beyond [lo - m (hi - lo), hi + m (hi - lo)]."""
+    floor_margin: float = 1.1
+    """Each class keeps at least the replicas the predictive rule asks for at this margin (one
+    step of its sweep below its default 1.2); 0: no floor."""
+    ceiling_margin: float = 0.0
+    """... and at most the replicas it asks for at this margin; 0: no ceiling."""
 
     def __post_init__(self) -> None:
         _check(self.plan_below >= 0 and self.plan_above >= 0,
                f"guard.plan_below / plan_above must be >= 0, got {self.plan_below!r} / {self.plan_above!r}")
         _check(self.max_admission >= 0, f"guard.max_admission must be >= 0, got {self.max_admission!r}")
         _check(self.ood_margin >= 0, f"guard.ood_margin must be >= 0, got {self.ood_margin!r}")
+        for name in ("floor_margin", "ceiling_margin"):
+            v = getattr(self, name)
+            _check(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0,
+                   f"guard.{name} must be a number >= 0 (0: off), got {v!r}")
+        _check(not (self.floor_margin and self.ceiling_margin) or self.ceiling_margin >= self.floor_margin,
+               f"guard.ceiling_margin ({self.ceiling_margin!r}) must not be below guard.floor_margin "
+               f"({self.floor_margin!r})")
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ import numpy as np
 
 from apex_bdq.config import SimConfig, TrainConfig
 from apex_bdq.sim import make_sim
+from apex_bdq.sim.provisioning import CapacityBounds
 
 METRIC_KEYS = ("reward", "slo_violation_rate", "p99_ms", "utilisation", "cost", "drop_rate", "fairness")
 WARMUP_S = 900.0  # v2: platform time each evaluation shard runs before its phase, not counted (3x the
@@ -44,7 +45,7 @@ def warmup_ticks(cfg: SimConfig) -> int:
 def evaluate_policy(policy, cfg: SimConfig, shards: int = 8, ticks: Optional[int] = None, seed: int = 12345,
                     progress: Optional[Callable[[int, int], None]] = None, replicas: int = 1,
                     split: str = "eval") -> EvalResult:
-    """Run `policy` (reset(sim), act(sim, obs) -> (actions, capacity_target|None)) on the
+    """Run `policy` (reset(sim), act(sim, obs) -> (actions, capacity_target | CapacityBounds | None)) on the
     evaluation range. `ticks` shortens the run (default: cover the whole range); `replicas`
     covers it that many times with independent arrivals. split="train" (or "val") runs the
     same yardstick on that range instead (what a trainer may look at while it learns: the
@@ -96,7 +97,10 @@ def evaluate_groups(policy, cfg: SimConfig, groups: int, shards: int = 8, ticks:
     keep = {"offered": [], "servers": [], "p99_ms": []}
     for t in range(warm + ticks):
         actions, cap = policy.act(sim, obs)
-        obs, reward, _, info = sim.step(actions, capacity_target=cap)
+        if isinstance(cap, CapacityBounds):  # a guard's bounds around the learned target
+            obs, reward, _, info = sim.step(actions, capacity_bounds=cap)
+        else:
+            obs, reward, _, info = sim.step(actions, capacity_target=cap)
         if t < warm:
             continue
         reward_s += reward

@@ -3,24 +3,30 @@
 A learned decision is per shard the D sub-actions (plan factor and hold per class, the
 admission level). The guard
 
-  1. bounds it relative to the reference rule's decision: the plan factor of each class to
-     `plan_below` levels under and `plan_above` levels over the rule's (the rule is the
-     platform's default setting, plan 1.3 x the monitored load with HPA's 300-s hold and no
-     refusals: a reactive rule sized with the queueing model, on the best rule's frontier
-     on the bundled trace, computable from an observation alone, so the same guard runs in
-     the simulator, on Ray actors and behind Serve); the admission level to `max_admission`;
-  2. falls back to the rule's decision for a shard whose observation lies outside what
-     training covered: its load shape (per class the newest 2-minute arrival rate, its
-     growth over the block before, its ratio to the last 32 minutes' mean: what a burst the
-     training days never showed looks like; and its roughness, the rms second difference of
-     the 2-minute rates over their mean: minute-scale burstiness a smoother training trace
-     never showed) outside the range the training days span, widened by `ood_margin` of that
-     range on each side.
+  1. bounds it relative to the platform's default setting: the plan factor of each class to
+     `plan_below` levels under and `plan_above` levels over the default's (plan 1.3 x the
+     monitored load with HPA's 300-s hold and no refusals: a reactive rule sized with the
+     queueing model, computable from an observation alone, so this part runs in the
+     simulator, on Ray actors and behind Serve); the admission level to `max_admission`;
+  2. where replicas are computed (the simulator), bounds the replicas the learned
+     sub-actions ask for by the best rule's: per class at least what the predictive rule asks
+     for at margin `floor_margin` (and at most at `ceiling_margin`, when set). The predictive
+     rule needs the trace's history a day or a week back, which an observation does not
+     carry, so behind Serve only part 1 runs; the KEDA controller (`apex_bdq.control`) bounds
+     the replicas by the rule the platform runs, with its own band;
+  3. falls back to the rules for a shard whose observation lies outside what training
+     covered: the default setting's sub-actions and, where replicas are computed, the
+     predictive rule's replicas at its own margin. Outside means its load shape (per class the
+     newest 2-minute arrival rate, its growth over the block before, its ratio to the last
+     32 minutes' mean: what a burst the training days never showed looks like; and its
+     roughness, the rms second difference of the 2-minute rates over their mean:
+     minute-scale burstiness a smoother training trace never showed) lies outside the range
+     the training days span, widened by `ood_margin` of that range on each side.
 
 The coverage is measured once per trace and config (the training days under the rule, and
 with `sim.augment` on the augmented episodes too) and cached under the yardstick's cache
 directory. `GuardedPolicy` runs a greedy network under the guard in `evaluate_policy` and
-counts the decisions it clipped and the ones it replaced.
+counts the decisions it clipped and replaced and the replicas the best rule's bounds moved.
 """
 
 from __future__ import annotations
@@ -197,9 +203,13 @@ def guard_for(cfg: TrainConfig) -> Optional[Guard]:
 
 
 class GuardedPolicy:
-    """A greedy network under the guard, as `evaluate_policy` runs it; counts per shard
-    decision how many the guard clipped (a plan factor moved into the band), how many had
-    their admission level capped, and how many it replaced by the rule's."""
+    """A greedy network under the guard, as `evaluate_policy` runs it. Per shard decision it
+    counts how many the guard clipped (a plan factor moved into the band), how many had their
+    admission level capped, and how many it replaced by the rules'; per class and tick, how
+    often the best rule's replicas raised (the floor) or lowered (the ceiling) the learned
+    target. The replica bounds come from the predictive rule run beside the policy on the
+    simulator (`Predictive` at the guard's margins; at its own default margin on a shard that
+    fell back) and reach the simulator as `CapacityBounds`."""
 
     def __init__(self, inner, guard: Guard) -> None:
         self.inner, self.guard = inner, guard
@@ -207,23 +217,45 @@ class GuardedPolicy:
         self.needs_observation = True
 
     def reset(self, sim) -> None:
+        from apex_bdq.sim.baselines import Predictive
         self.inner.reset(sim)
         self.decisions = self.clipped = self.capped = self.fallback = 0
+        self.pool_ticks = self.raised = self.lowered = 0
         self.t = 0
-        self.actions = None
+        self.actions = self.back = None
+        g = self.guard.cfg
+        self.rules = {}
+        for key, margin in (("floor", g.floor_margin), ("ceiling", g.ceiling_margin), ("fallback", None)):
+            if margin != 0:
+                self.rules[key] = Predictive() if margin is None else Predictive(margin=margin)
+                self.rules[key].reset(sim)
 
     def act(self, sim, obs):
+        from apex_bdq.sim.provisioning import CapacityBounds
         learned, _ = self.inner.act(sim, obs)
         if self.actions is None or self.t % self.inner.k == 0:
             self.actions, c, cap, b = self.guard.apply(obs.macro, learned)
+            self.back = b
             self.decisions += len(c)
             self.clipped += int(c.sum())
             self.capped += int(cap.sum())
             self.fallback += int(b.sum())
+        if self.t > 0:  # what the last tick's bounds did
+            self.pool_ticks += sim.S * sim.K
+            self.raised += 0 if sim.raised is None else int(sim.raised.sum())
+            self.lowered += 0 if sim.lowered is None else int(sim.lowered.sum())
         self.t += 1
-        return self.actions, None
+        # every rule is stepped every tick (each syncs on its own period)
+        reps = {key: rule.act(sim, obs)[1] for key, rule in self.rules.items()}
+        lo, hi = reps.get("floor"), reps.get("ceiling")
+        if self.back.any():  # a shard outside training's coverage gets the best rule's replicas
+            rule, back = reps["fallback"], self.back[:, None]
+            lo = np.where(back, rule, 0 if lo is None else lo)
+            hi = np.where(back, rule, np.iinfo(np.int32).max if hi is None else hi)
+        return self.actions, CapacityBounds(lo, hi)
 
     def shares(self) -> dict:
-        n = max(self.decisions, 1)
+        n, p = max(self.decisions, 1), max(self.pool_ticks, 1)
         return {"guard_decisions": self.decisions, "guard_clipped_share": self.clipped / n,
-                "guard_admission_capped_share": self.capped / n, "guard_fallback_share": self.fallback / n}
+                "guard_admission_capped_share": self.capped / n, "guard_fallback_share": self.fallback / n,
+                "guard_floor_raised_share": self.raised / p, "guard_ceiling_lowered_share": self.lowered / p}

@@ -111,7 +111,8 @@ def print_policies(title: str, results: dict[str, dict]) -> None:
             print(f"  {name} ran under its guard: of {m['guard_decisions']:,} decisions "
                   f"{100 * m['guard_clipped_share']:.1f} % had a plan factor moved into the rule's band, "
                   f"{100 * m['guard_admission_capped_share']:.1f} % their admission capped, "
-                  f"{100 * m['guard_fallback_share']:.2f} % fell back to the rule")
+                  f"{100 * m['guard_fallback_share']:.2f} % fell back to the rules; the predictive rule's "
+                  f"floor raised {100 * m.get('guard_floor_raised_share', 0.0):.1f} % of the pools' targets")
 
 
 def print_frontiers(fronts: dict, oracle: list[dict]) -> None:

@@ -13,7 +13,7 @@ from apex_bdq.guard import FEATURES, NF, Guard, GuardedPolicy, _layout, coverage
 from apex_bdq.networks import BDQNetwork
 from apex_bdq.presets import PRESETS
 from apex_bdq.sim import make_sim
-from apex_bdq.sim.baselines import Constant
+from apex_bdq.sim.baselines import Predictive
 from apex_bdq.sim.platform_v2 import default_action_v2
 
 SIM = SimConfig(num_shards=8, seed=1)
@@ -96,12 +96,49 @@ def test_the_guarded_policy_reports_its_shares_and_a_full_fallback_is_the_rule()
     s = pol.shares()
     assert s["guard_decisions"] == 2 * (120 + 900) // cfg.agent.decision_ticks  # warm-up ticks decide too
     assert s["guard_fallback_share"] == 1.0 and s["guard_clipped_share"] == s["guard_admission_capped_share"] == 0.0
-    rule = evaluate_policy(Constant(default_action_v2(cfg.sim)), cfg.sim, shards=2, ticks=120).metrics
+    # Falling back everywhere is the best rule: the predictive rule's replicas, the default admission.
+    rule = evaluate_policy(Predictive(), cfg.sim, shards=2, ticks=120).metrics
     assert m["cost"] == rule["cost"] and m["slo_violation_rate"] == rule["slo_violation_rate"]
     # Within a wide coverage nothing falls back, and every clipped decision was outside the band.
     pol = GuardedPolicy(GreedyPolicy(net, cfg.agent.decision_ticks), Guard.build(GuardConfig(), cfg.sim, *WIDE))
     evaluate_policy(pol, cfg.sim, shards=2, ticks=120)
     assert pol.shares()["guard_fallback_share"] == 0.0 and 0.0 <= pol.shares()["guard_clipped_share"] <= 1.0
+
+
+def test_the_best_rules_replicas_bound_the_learned_ones():
+    """A band collapsed onto the predictive rule's margin is that rule; a high floor raises
+    nearly every pool and costs at least what the rule costs at that margin; no floor and no
+    ceiling leave the learned replicas alone."""
+    torch.manual_seed(0)
+    cfg = PRESETS["smoke"]
+    net = BDQNetwork(cfg.net)
+    from apex_bdq.checkpoint import GreedyPolicy
+
+    def run(**kw):
+        pol = GuardedPolicy(GreedyPolicy(net, cfg.agent.decision_ticks), Guard.build(GuardConfig(**kw), cfg.sim, *WIDE))
+        return evaluate_policy(pol, cfg.sim, shards=2, ticks=300).metrics, pol.shares()
+
+    def rule(margin):
+        return evaluate_policy(Predictive(margin=margin), cfg.sim, shards=2, ticks=300).metrics
+
+    pinned, s = run(floor_margin=1.5, ceiling_margin=1.5)
+    assert pinned["cost"] == rule(1.5)["cost"] and pinned["slo_violation_rate"] == rule(1.5)["slo_violation_rate"]
+    assert s["guard_floor_raised_share"] + s["guard_ceiling_lowered_share"] > 0
+    high, s = run(floor_margin=3.0)
+    assert s["guard_floor_raised_share"] > 0.5 and s["guard_ceiling_lowered_share"] == 0.0
+    assert high["cost"] >= rule(3.0)["cost"]
+    free, s = run(floor_margin=0.0)
+
+    class SubActionsOnly(GuardedPolicy):  # the guarded sub-actions, no replica bounds sent
+        def act(self, sim, obs):
+            return super().act(sim, obs)[0], None
+
+    bare = evaluate_policy(SubActionsOnly(GreedyPolicy(net, cfg.agent.decision_ticks),
+                                          Guard.build(GuardConfig(), cfg.sim, *WIDE)),
+                           cfg.sim, shards=2, ticks=300).metrics
+    assert s["guard_floor_raised_share"] == 0.0 and free["cost"] == bare["cost"] < high["cost"]
+    with pytest.raises(ConfigError, match="guard.ceiling_margin"):
+        GuardConfig(floor_margin=1.2, ceiling_margin=1.1)
 
 
 def test_coverage_spans_the_training_days_and_evaluate_learned_runs_under_the_guard(step_trace, monkeypatch):

@@ -161,3 +161,32 @@ def test_v2_config_errors_and_the_v1_class_refuses_a_v2_config():
         sim.step(np.zeros((2, 4), dtype=np.int64))
     with pytest.raises(Exception, match="capacity_target must be integers of shape"):
         sim.step(actions(sim), capacity_target=np.zeros((2, 1), dtype=np.int64))
+
+
+def test_capacity_bounds_keep_the_branches_target_within_them():
+    """A guard's bounds: the target is the branches' own where it lies inside [lo, hi], lo or
+    hi where it does not (reported in sim.raised / sim.lowered); bad bounds are named."""
+    from apex_bdq.sim.provisioning import CapacityBounds
+    a, b = make_sim(SimConfig(num_shards=2, seed=4)), make_sim(SimConfig(num_shards=2, seed=4))
+    a.reset(seed=4)
+    b.reset(seed=4)
+    for _ in range(5):
+        a.step(actions(a))
+    b_acts = actions(b)
+    for _ in range(4):
+        b.step(b_acts)
+    free = a.target.copy()  # the branches' target at tick 5
+    lo = free.copy()
+    lo[0, 1] += 7  # raise one pool
+    hi = np.full_like(free, 10**6)
+    hi[1, 2] = max(free[1, 2] - 3, 1)  # lower another
+    b.step(b_acts, capacity_bounds=CapacityBounds(lo.astype(np.int64), hi.astype(np.int64)))
+    want = free.copy()
+    want[0, 1] += 7
+    want[1, 2] = hi[1, 2]
+    np.testing.assert_array_equal(b.target, want)
+    assert b.raised.sum() == 1 and b.raised[0, 1] and b.lowered.sum() == 1 and b.lowered[1, 2]
+    with pytest.raises(Exception, match="capacity_bounds.lo must be integers of shape"):
+        b.step(b_acts, capacity_bounds=CapacityBounds(np.zeros((2, 4))))
+    with pytest.raises(Exception, match="takes no capacity_bounds"):
+        b.step(b_acts, capacity_target=b.target, capacity_bounds=CapacityBounds(hi=hi))

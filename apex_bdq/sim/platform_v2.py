@@ -45,7 +45,8 @@ import numpy as np
 from apex_bdq.config import SimConfig
 from apex_bdq.features import Scales, macro_v2, micro_frame_v2
 from apex_bdq.sim.platform import Observation, make_rates
-from apex_bdq.sim.provisioning import P99_Q, ActionError, PoolsView, Provisioning, check_layout, serve_tick
+from apex_bdq.sim.provisioning import (P99_Q, ActionError, CapacityBounds, PoolsView, Provisioning, check_layout,
+                                       serve_tick)
 from apex_bdq.sim.queueing import ErlangCTable
 from apex_bdq.sim.trace import TickRates
 from apex_bdq.sizing import HoldWindow, SizingTable, replicas_for
@@ -182,6 +183,7 @@ class PlatformSimV2(PoolsView):
             # Warm-up reads the ticks before each phase; at the trace's first tick it is cut short.
             self.offset = np.maximum(lo + ((np.arange(S) % phases) * self.range_len) // phases - self.warmup_ticks, 0)
         self.t = 0
+        self.raised = self.lowered = None  # [S, K] pools the last capacity_bounds moved
         lam = self.lam_table[self.offset].astype(f32)  # [S, K] requests per second
         if self.aug_scale is not None:
             lam *= self.aug_mult[:, :1]
@@ -269,10 +271,19 @@ class PlatformSimV2(PoolsView):
         return replicas_for(rate * self.plan[plan_level], self.sizing)
 
     # ---------------------------------------------------------------------------------
-    def step(self, actions, capacity_target=None):
+    def _pools(self, x, name: str) -> np.ndarray:
+        a = np.asarray(x)
+        if a.shape != (self.S, self.K) or a.dtype.kind not in "iu":
+            raise ActionError(f"{name} must be integers of shape [S={self.S}, K={self.K}], got {a.dtype} {a.shape}")
+        return a
+
+    def step(self, actions, capacity_target=None, capacity_bounds: Optional[CapacityBounds] = None):
         """Advance one tick. actions: int [S, D]; capacity_target: optional int [S, K] that
-        replaces the capacity and hold branches (how rules set replicas directly).
-        Returns (obs, reward [S] float64, truncated, info)."""
+        replaces the capacity and hold branches (how rules set replicas directly);
+        capacity_bounds: optional `CapacityBounds(lo, hi)` that keeps the branches' target
+        within [lo, hi] per pool (how the guard bounds a learned decision by a rule's; the
+        scale-down hold keeps the branches' own plans). Returns (obs, reward [S] float64,
+        truncated, info); `self.raised` / `self.lowered` [S, K] say which pools the bounds moved."""
         a = self.check_actions(actions)
         cfg, S, K, dt = self.cfg, self.S, self.K, self.dt
 
@@ -283,14 +294,23 @@ class PlatformSimV2(PoolsView):
         self.level[:] = a
         mon_load = self.mon_load[(self.mon_ptr - self.lag) % (self.lag + 1)]  # [S, K] Erlangs, lagged
         if capacity_target is not None:
-            ct = np.asarray(capacity_target)
-            if ct.shape != (S, K) or ct.dtype.kind not in "iu":
-                raise ActionError(f"capacity_target must be integers of shape [S={S}, K={K}], got "
-                                  f"{ct.dtype} {ct.shape}")
-            want = ct
+            if capacity_bounds is not None:
+                raise ActionError("capacity_target replaces the branches: it takes no capacity_bounds")
+            want = self._pools(capacity_target, "capacity_target")
         else:
             plan = self.plan_for(mon_load * self.mu, a[:, :K]).astype(np.int32)  # [S, K]
             want = self.hold.target(plan, a[:, K:2 * K])
+            if capacity_bounds is not None:
+                lo, hi = capacity_bounds
+                self.raised = self.lowered = None
+                if lo is not None:
+                    lo = self._pools(lo, "capacity_bounds.lo")
+                    self.raised = want < lo
+                    want = np.maximum(want, lo)
+                if hi is not None:
+                    hi = self._pools(hi, "capacity_bounds.hi")
+                    self.lowered = want > hi
+                    want = np.minimum(want, hi)
         self.hold.step()
         self.target = np.clip(want, cfg.min_servers, self.caps).astype(np.int32)
         self.prov.reconcile(self.target)

@@ -10,7 +10,7 @@ cancelling the newest booting replicas is one clamp of the whole ring at the new
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 
@@ -19,6 +19,14 @@ P99_Q = 0.01  # tail mass of the p99
 
 class ActionError(ValueError):
     """An action array has the wrong shape, type or range."""
+
+
+class CapacityBounds(NamedTuple):
+    """Per-pool replica bounds [S, K] (either may be None) that a guard puts around the
+    capacity and hold branches' target: the simulator keeps the target within [lo, hi]."""
+
+    lo: Optional[np.ndarray] = None
+    hi: Optional[np.ndarray] = None
 
 
 class Provisioning:
