@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import types
 import typing
 from dataclasses import dataclass, field
@@ -621,7 +622,7 @@ class GuardConfig:
         _check(self.ood_margin >= 0, f"guard.ood_margin must be >= 0, got {self.ood_margin!r}")
         for name in ("floor_margin", "ceiling_margin"):
             v = getattr(self, name)
-            _check(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0,
+            _check(not isinstance(v, bool) and isinstance(v, numbers.Real) and math.isfinite(v) and v >= 0,
                    f"guard.{name} must be a number >= 0 (0: off), got {v!r}")
         _check(not (self.floor_margin and self.ceiling_margin) or self.ceiling_margin >= self.floor_margin,
                f"guard.ceiling_margin ({self.ceiling_margin!r}) must not be below guard.floor_margin "

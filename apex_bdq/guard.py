@@ -205,9 +205,9 @@ def guard_for(cfg: TrainConfig) -> Optional[Guard]:
 class GuardedPolicy:
     """A greedy network under the guard, as `evaluate_policy` runs it. Per shard decision it
     counts how many the guard clipped (a plan factor moved into the band), how many had their
-    admission level capped, and how many it replaced by the rules'; per class and tick, how
-    often the best rule's replicas raised (the floor) or lowered (the ceiling) the learned
-    target. The replica bounds come from the predictive rule run beside the policy on the
+    admission level capped, and how many it replaced by the rules'; per class and tick on the
+    shards that did not fall back, how often the best rule's replicas raised (the floor) or
+    lowered (the ceiling) the learned target. The replica bounds come from the predictive rule run beside the policy on the
     simulator (`Predictive` at the guard's margins; at its own default margin on a shard that
     fell back) and reach the simulator as `CapacityBounds`."""
 
@@ -233,6 +233,11 @@ class GuardedPolicy:
     def act(self, sim, obs):
         from apex_bdq.sim.provisioning import CapacityBounds
         learned, _ = self.inner.act(sim, obs)
+        if self.t > 0:  # what the last tick's bounds did, on shards that did not fall back
+            free = ~self.back[:, None]
+            self.pool_ticks += int(free.sum()) * sim.K
+            self.raised += 0 if sim.raised is None else int((sim.raised & free).sum())
+            self.lowered += 0 if sim.lowered is None else int((sim.lowered & free).sum())
         if self.actions is None or self.t % self.inner.k == 0:
             self.actions, c, cap, b = self.guard.apply(obs.macro, learned)
             self.back = b
@@ -240,10 +245,6 @@ class GuardedPolicy:
             self.clipped += int(c.sum())
             self.capped += int(cap.sum())
             self.fallback += int(b.sum())
-        if self.t > 0:  # what the last tick's bounds did
-            self.pool_ticks += sim.S * sim.K
-            self.raised += 0 if sim.raised is None else int(sim.raised.sum())
-            self.lowered += 0 if sim.lowered is None else int(sim.lowered.sum())
         self.t += 1
         # every rule is stepped every tick (each syncs on its own period)
         reps = {key: rule.act(sim, obs)[1] for key, rule in self.rules.items()}

@@ -216,8 +216,9 @@ def ladder_rungs(cfg: SimConfig) -> tuple[tuple[str, dict], ...]:
     first loses the next provisioning delay's rate, then reads the rate of the moment as late
     as monitoring does, then holds capacity as HPA does before it scales down. The last rung
     is a reactive rule with the rules' lag and hold that knows the true rate: what is left
-    between it and the best rule is the cost of measuring the rate from arrivals."""
-    lag, hold = cfg.monitor_lag_s, cfg.scale_down_window_s
+    between it and the best rule is the cost of measuring the rate from arrivals (and of the
+    monitoring's 15-s average on top of its lag, which the rung does not model)."""
+    lag, hold = cfg.monitor_lag_s, max(cfg.hold_s)  # the platform default's hold: HPA's 300 s
     return (("oracle", {}),
             ("no foresight", {"lead_s": 0.0}),
             (f"+ {lag:g}-s monitoring lag", {"lead_s": 0.0, "lag_s": lag}),

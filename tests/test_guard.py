@@ -99,6 +99,11 @@ def test_the_guarded_policy_reports_its_shares_and_a_full_fallback_is_the_rule()
     # Falling back everywhere is the best rule: the predictive rule's replicas, the default admission.
     rule = evaluate_policy(Predictive(), cfg.sim, shards=2, ticks=120).metrics
     assert m["cost"] == rule["cost"] and m["slo_violation_rate"] == rule["slo_violation_rate"]
+    assert s["guard_floor_raised_share"] == s["guard_ceiling_lowered_share"] == 0.0  # pinned, not counted
+    unfloored = GuardedPolicy(GreedyPolicy(net, cfg.agent.decision_ticks),
+                              Guard.build(GuardConfig(floor_margin=0.0), cfg.sim, *nothing))
+    m0 = evaluate_policy(unfloored, cfg.sim, shards=2, ticks=120).metrics  # the fallback needs no floor
+    assert m0["cost"] == rule["cost"] and m0["slo_violation_rate"] == rule["slo_violation_rate"]
     # Within a wide coverage nothing falls back, and every clipped decision was outside the band.
     pol = GuardedPolicy(GreedyPolicy(net, cfg.agent.decision_ticks), Guard.build(GuardConfig(), cfg.sim, *WIDE))
     evaluate_policy(pol, cfg.sim, shards=2, ticks=120)

@@ -186,7 +186,11 @@ def test_capacity_bounds_keep_the_branches_target_within_them():
     want[1, 2] = hi[1, 2]
     np.testing.assert_array_equal(b.target, want)
     assert b.raised.sum() == 1 and b.raised[0, 1] and b.lowered.sum() == 1 and b.lowered[1, 2]
+    t, target = b.t, b.target.copy()
     with pytest.raises(Exception, match="capacity_bounds.lo must be integers of shape"):
         b.step(b_acts, capacity_bounds=CapacityBounds(np.zeros((2, 4))))
+    assert b.t == t and (b.target == target).all()  # refused before anything moved
+    b.step(b_acts)
+    assert b.raised is None and b.lowered is None  # no bounds this tick: nothing reported moved
     with pytest.raises(Exception, match="takes no capacity_bounds"):
         b.step(b_acts, capacity_target=b.target, capacity_bounds=CapacityBounds(hi=hi))

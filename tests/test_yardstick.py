@@ -97,7 +97,8 @@ def test_the_oracle_is_never_worse_than_every_rule_at_its_own_violation_rate(dai
 
 def test_the_oracle_without_its_privileges_sizes_for_the_lagged_held_true_rate():
     """lead_s=0, lag_s and hold_s: the replicas of margin x the highest true rate of
-    [t - lag - hold, t - lag]; the default still sizes for the next provisioning delay."""
+    [t - lag - hold, t - lag]; the default still sizes for the next provisioning delay.
+    (Seconds are ticks here: tick_s is 1 s.)"""
     from apex_bdq.sim import make_sim
     from apex_bdq.sizing import replicas_for
     sim = make_sim(SimConfig(num_shards=3, seed=2))
@@ -114,16 +115,16 @@ def test_the_oracle_without_its_privileges_sizes_for_the_lagged_held_true_rate()
     assert (weak.act(sim, None)[1] == replicas_for(1.1 * np.array(held), sim.sizing)).all()
     ahead = [lam[i:i + sim.L + 1].max(0) for i in idx]
     assert (full.act(sim, None)[1] == replicas_for(1.1 * np.array(ahead), sim.sizing)).all()
-    for bad in ({"lag_s": -1.0}, {"hold_s": float("nan")}, {"lead_s": "60"}):
+    for bad in ({"lag_s": -1.0}, {"hold_s": float("nan")}, {"lead_s": "60"}, {"lag_s": None}, {"hold_s": True}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             Oracle(**bad)
 
 
 @pytest.mark.slow
-def test_evaluate_ladder_splits_the_oracles_room(daily_trace, tmp_path, monkeypatch):
-    """`launch.evaluate --ladder` on a test trace: four rungs in the JSON; the full oracle
-    closes the whole gap on its own frontier, and taking its foresight away never makes it
-    cheaper at the same violation rate."""
+def test_evaluate_ladder_splits_the_oracles_room(daily_trace, tmp_path, monkeypatch, capsys):
+    """`launch.evaluate --ladder` on a test trace: four rungs in the JSON; the first rung is
+    the oracle of the frontiers (same points on the same arrivals), and taking its foresight
+    away never makes it cheaper at the same violation rate."""
     import json
 
     from launch import evaluate
@@ -132,7 +133,13 @@ def test_evaluate_ladder_splits_the_oracles_room(daily_trace, tmp_path, monkeypa
     rc = evaluate.main(["--policy", "predictive", "--trace", str(daily_trace(days=2)), "--columns", "requests",
                         "--shards", "4", "--replicas", "1", "--ladder", "--json", str(out), "--quiet"])
     assert rc == 0
-    rungs = json.loads(out.read_text())["oracle_ladder"]
+    res = json.loads(out.read_text())
+    rungs = res["oracle_ladder"]
+    frontier = {p["setting"]: p for p in res["oracle_frontier"]}
+    for p in rungs[0]["points"]:
+        if p["setting"] in frontier:
+            assert p["cost"] == frontier[p["setting"]]["cost"]
+            assert p["slo_violation_rate"] == frontier[p["setting"]]["slo_violation_rate"]
     assert [r["rung"] for r in rungs][:2] == ["oracle", "no foresight"] and len(rungs) == 4
     assert rungs[3]["options"] == {"lead_s": 0.0, "lag_s": 15.0, "hold_s": 300.0}
     defined = 0
@@ -145,4 +152,4 @@ def test_evaluate_ladder_splits_the_oracles_room(daily_trace, tmp_path, monkeypa
     assert defined >= 1
     with pytest.raises(SystemExit) as e:  # v1 has no oracle to take apart
         evaluate.main(["--platform", "v1", "--ladder", "--policy", "hpa"])
-    assert e.value.code == 2
+    assert e.value.code == 2 and "--ladder needs platform v2" in capsys.readouterr().err

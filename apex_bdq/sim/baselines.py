@@ -15,6 +15,7 @@ the queueing model (`apex_bdq.sizing`) and exist on v2 only.
 from __future__ import annotations
 
 import math
+import numbers
 from collections import deque
 from typing import Optional, Protocol
 
@@ -30,7 +31,8 @@ class Policy(Protocol):
     def reset(self, sim) -> None: ...
 
     def act(self, sim, obs) -> tuple[np.ndarray, Optional[np.ndarray]]:
-        """Return (actions [S, D], capacity_target [S, P] or None)."""
+        """Return (actions [S, D], capacity_target [S, P], `CapacityBounds` around the branches'
+        target (v2), or None)."""
 
 
 def default_action(cfg: SimConfig) -> tuple[int, ...]:
@@ -367,7 +369,9 @@ class Oracle:
                  hold_s: float = 0.0) -> None:
         _check_range(margin, 0.0, np.inf, "margin")
         for name, v in (("lead_s", lead_s), ("lag_s", lag_s), ("hold_s", hold_s)):
-            if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+            if name == "lead_s" and v is None:
+                continue  # the provisioning delay
+            if isinstance(v, bool) or not (isinstance(v, numbers.Real) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"oracle {name} must be a number of seconds >= 0, got {v!r}")
         self.margin_setting, self.lead_s, self.lag_s, self.hold_s = margin, lead_s, lag_s, hold_s
 

@@ -286,6 +286,17 @@ class PlatformSimV2(PoolsView):
         truncated, info); `self.raised` / `self.lowered` [S, K] say which pools the bounds moved."""
         a = self.check_actions(actions)
         cfg, S, K, dt = self.cfg, self.S, self.K, self.dt
+        # Every input checked before any state moves.
+        lo = hi = None
+        if capacity_target is not None:
+            if capacity_bounds is not None:
+                raise ActionError("capacity_target replaces the branches: it takes no capacity_bounds")
+            capacity_target = self._pools(capacity_target, "capacity_target")
+        elif capacity_bounds is not None:
+            lo, hi = capacity_bounds
+            lo = None if lo is None else self._pools(lo, "capacity_bounds.lo")
+            hi = None if hi is None else self._pools(hi, "capacity_bounds.hi")
+        self.raised = self.lowered = None
 
         # 1. provisioning: replicas launched `delay` ticks ago become ready.
         self.prov.activate()
@@ -294,25 +305,18 @@ class PlatformSimV2(PoolsView):
         self.level[:] = a
         mon_load = self.mon_load[(self.mon_ptr - self.lag) % (self.lag + 1)]  # [S, K] Erlangs, lagged
         if capacity_target is not None:
-            if capacity_bounds is not None:
-                raise ActionError("capacity_target replaces the branches: it takes no capacity_bounds")
-            want = self._pools(capacity_target, "capacity_target")
+            want = capacity_target
         else:
             plan = self.plan_for(mon_load * self.mu, a[:, :K]).astype(np.int32)  # [S, K]
             want = self.hold.target(plan, a[:, K:2 * K])
-            if capacity_bounds is not None:
-                lo, hi = capacity_bounds
-                self.raised = self.lowered = None
-                if lo is not None:
-                    lo = self._pools(lo, "capacity_bounds.lo")
-                    self.raised = want < lo
-                    want = np.maximum(want, lo)
-                if hi is not None:
-                    hi = self._pools(hi, "capacity_bounds.hi")
-                    self.lowered = want > hi
-                    want = np.minimum(want, hi)
         self.hold.step()
         self.target = np.clip(want, cfg.min_servers, self.caps).astype(np.int32)
+        if lo is not None or hi is not None:
+            free = self.target  # the branches' own target; the bounds move it, then the pool's limits
+            bounded = want if lo is None else np.maximum(want, lo)
+            bounded = bounded if hi is None else np.minimum(bounded, hi)
+            self.target = np.clip(bounded, cfg.min_servers, self.caps).astype(np.int32)
+            self.raised, self.lowered = self.target > free, self.target < free
         self.prov.reconcile(self.target)
 
         # 3. arrivals.
