@@ -9,7 +9,8 @@ import torch
 
 from apex_bdq.config import AugmentConfig, ConfigError, GuardConfig, SimConfig, TraceConfig, apply_overrides
 from apex_bdq.evaluation import evaluate_learned, evaluate_policy
-from apex_bdq.guard import FEATURES, NF, Guard, GuardedPolicy, _layout, coverage, guard_for, load_shape
+from apex_bdq.guard import (FEATURES, NF, Guard, GuardedPolicy, _layout, coverage, guard_for, load_shape,
+                            measure_coverage)
 from apex_bdq.networks import BDQNetwork
 from apex_bdq.presets import PRESETS
 from apex_bdq.sim import make_sim
@@ -155,6 +156,11 @@ def test_coverage_spans_the_training_days_and_evaluate_learned_runs_under_the_gu
     lo, hi = coverage(sim, use_cache=False)
     rate_lo, rate_hi = lo[:K], hi[:K]
     assert (rate_hi / np.maximum(rate_lo, 1e-9) > 1.5).all()  # both levels of the step seen
+    # The training days' coverage, not the run's: a run's seed does not change it.
+    noisy = dataclasses.replace(sim, trace=dataclasses.replace(sim.trace, poisson_noise=True))
+    a, b = measure_coverage(noisy, shards=4), measure_coverage(dataclasses.replace(noisy, seed=9), shards=4)
+    np.testing.assert_array_equal(a[0], b[0])
+    np.testing.assert_array_equal(a[1], b[1])
     lo2, hi2 = coverage(sim)  # through the cache: the same figures
     lo3, hi3 = coverage(sim)
     np.testing.assert_allclose(lo2, lo) and np.testing.assert_allclose(hi3, hi)
