@@ -211,9 +211,10 @@ class GuardedPolicy:
     counts how many the guard clipped (a plan factor moved into the band), how many had their
     admission level capped, and how many it replaced by the rules'; per class and tick on the
     shards that did not fall back, how often the best rule's replicas raised (the floor) or
-    lowered (the ceiling) the learned target. The replica bounds come from the predictive rule run beside the policy on the
-    simulator (`Predictive` at the guard's margins; at its own default margin on a shard that
-    fell back) and reach the simulator as `CapacityBounds`."""
+    lowered (the ceiling) the learned target. The replica bounds come from the predictive
+    rule run beside the policy on the simulator (`Predictive` at the guard's margins, one
+    instance per distinct margin; at its own default margin on a shard that fell back) and
+    reach the simulator as `CapacityBounds`."""
 
     def __init__(self, inner, guard: Guard) -> None:
         self.inner, self.guard = inner, guard
@@ -228,11 +229,12 @@ class GuardedPolicy:
         self.t = 0
         self.actions = self.back = None
         g = self.guard.cfg
-        self.rules = {}
-        for key, margin in (("floor", g.floor_margin), ("ceiling", g.ceiling_margin), ("fallback", None)):
-            if margin != 0:
-                self.rules[key] = Predictive() if margin is None else Predictive(margin=margin)
-                self.rules[key].reset(sim)
+        # role -> margin; one rule per distinct margin (a rule's act steps its own state)
+        self.roles = {k: m for k, m in (("floor", g.floor_margin), ("ceiling", g.ceiling_margin),
+                                        ("fallback", Predictive().margin_setting)) if m != 0}
+        self.rules = {m: Predictive(margin=m) for m in set(self.roles.values())}
+        for rule in self.rules.values():
+            rule.reset(sim)
 
     def act(self, sim, obs):
         from apex_bdq.sim.provisioning import CapacityBounds
@@ -251,7 +253,8 @@ class GuardedPolicy:
             self.fallback += int(b.sum())
         self.t += 1
         # every rule is stepped every tick (each syncs on its own period)
-        reps = {key: rule.act(sim, obs)[1] for key, rule in self.rules.items()}
+        by_margin = {m: rule.act(sim, obs)[1] for m, rule in self.rules.items()}
+        reps = {role: by_margin[m] for role, m in self.roles.items()}
         lo, hi = reps.get("floor"), reps.get("ceiling")
         if self.back.any():  # a shard outside training's coverage gets the best rule's replicas
             rule, back = reps["fallback"], self.back[:, None]
@@ -264,3 +267,13 @@ class GuardedPolicy:
         return {"guard_decisions": self.decisions, "guard_clipped_share": self.clipped / n,
                 "guard_admission_capped_share": self.capped / n, "guard_fallback_share": self.fallback / n,
                 "guard_floor_raised_share": self.raised / p, "guard_ceiling_lowered_share": self.lowered / p}
+
+
+def describe_shares(m: dict) -> str:
+    """One line for a guarded policy's metrics `m` (its `GuardedPolicy.shares()`)."""
+    line = (f"of {m['guard_decisions']:,} decisions {100 * m['guard_clipped_share']:.1f} % had a plan factor moved "
+            f"into the default's band, {100 * m['guard_admission_capped_share']:.1f} % their admission capped, "
+            f"{100 * m['guard_fallback_share']:.2f} % fell back to the rules")
+    if m.get("guard_floor_raised_share") is not None:
+        line += f"; the predictive rule's floor raised {100 * m['guard_floor_raised_share']:.1f} % of the pools' targets"
+    return line

@@ -108,11 +108,8 @@ def print_policies(title: str, results: dict[str, dict]) -> None:
               f"{_pct(j.get('oracle_gap_closed')):>18}")
     for name, m in results.items():
         if "guard_decisions" in m:
-            print(f"  {name} ran under its guard: of {m['guard_decisions']:,} decisions "
-                  f"{100 * m['guard_clipped_share']:.1f} % had a plan factor moved into the rule's band, "
-                  f"{100 * m['guard_admission_capped_share']:.1f} % their admission capped, "
-                  f"{100 * m['guard_fallback_share']:.2f} % fell back to the rules; the predictive rule's "
-                  f"floor raised {100 * m.get('guard_floor_raised_share', 0.0):.1f} % of the pools' targets")
+            from apex_bdq.guard import describe_shares
+            print(f"  {name} ran under its guard: {describe_shares(m)}")
 
 
 def print_frontiers(fronts: dict, oracle: list[dict]) -> None:

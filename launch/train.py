@@ -278,11 +278,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                                       m, y):
             print(line)
         if m.get("guarded"):
-            print(f"  guard: of {m['guard_decisions']:,} decisions {100 * m['guard_clipped_share']:.1f} % had a plan "
-                  f"factor moved into the rule's band, {100 * m['guard_admission_capped_share']:.1f} % their "
-                  f"admission capped, {100 * m['guard_fallback_share']:.2f} % fell back to the rules; the "
-                  f"predictive rule's floor raised {100 * m.get('guard_floor_raised_share', 0.0):.1f} % of the "
-                  f"pools' targets")
+            from apex_bdq.guard import describe_shares
+            print(f"  guard: {describe_shares(m)}")
         gap = y.get("oracle_gap_closed")
         if gap is not None:
             print(f"target (issue 25): >= 50 % of the best-rule -> oracle gap closed: "
