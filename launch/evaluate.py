@@ -1,6 +1,6 @@
 """Evaluate policies on the held-out days of a trace and judge them with the yardstick.
 
-    python -m launch.evaluate [--policy all|NAME,...|checkpoint:PATH] [--trace CSV|shared]
+    python -m launch.evaluate [--policy all|NAME,...|all,checkpoint:PATH] [--trace CSV|shared]
         [--platform v2|v1] [--columns COL ...] [--interval-s S] [--shards N] [--replicas R]
         [--ticks N] [--json PATH] [--plot PNG] [--series PNG] [--no-frontier] [--no-cache] [--ladder]
 
@@ -191,9 +191,14 @@ def checkpoint_platform(names: list[str], base: SimConfig) -> tuple[SimConfig, l
 
 
 def policy_names(spec: str, platform: str) -> list[str]:
-    if spec == "all":
-        return [n for n in BASELINES if platform == "v2" or n not in V2_ONLY]
-    return [p.strip() for p in spec.split(",") if p.strip()]
+    """The comma-separated names of `spec` in order, each once; `all` stands for every
+    baseline of the platform (so `all,checkpoint:PATH` judges a checkpoint beside them)."""
+    names: list[str] = []
+    for p in (p.strip() for p in spec.split(",")):
+        for n in ([b for b in BASELINES if platform == "v2" or b not in V2_ONLY] if p == "all" else [p] if p else []):
+            if n not in names:
+                names.append(n)
+    return names
 
 
 def run_trace(cfg: SimConfig, policies: list[str], shards: int, ticks: Optional[int],
@@ -294,7 +299,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m launch.evaluate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--policy", default="all",
-                    help=f"one of {sorted(BASELINES)}, 'all', checkpoint:PATH, or a comma-separated list")
+                    help=f"one of {sorted(BASELINES)}, 'all' (every baseline), checkpoint:PATH, "
+                         f"checkpoint-unguarded:PATH, or a comma-separated list of them (e.g. all,checkpoint:PATH)")
     ap.add_argument("--trace", help="CSV trace, or 'shared' for every trace in ../shared/traces")
     ap.add_argument("--platform", choices=("v2", "v1"), help="the platform (default: v2, or the checkpoints' own)")
     ap.add_argument("--columns", nargs="+", help="rate columns of the trace (default: the first numeric one; "

@@ -15,6 +15,18 @@ from conftest import SHARED_TRACES
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def test_evaluate_policy_list_expands_all_beside_checkpoints():
+    """`--policy all,checkpoint:PATH` is every baseline of the platform and the checkpoint,
+    each once, in order; v2-only rules are left out on v1."""
+    v2 = evaluate.policy_names("all,checkpoint:a.pt,hpa", "v2")
+    assert v2[-1] == "checkpoint:a.pt" and v2.count("hpa") == 1
+    assert set(v2[:-1]) == set(evaluate.BASELINES) and "oracle" in v2
+    v1 = evaluate.policy_names("predictive, all ,,checkpoint-unguarded:b.pt", "v1")
+    assert v1[0] == "predictive" and v1[-1] == "checkpoint-unguarded:b.pt"
+    assert "oracle" not in v1 and v1.count("predictive") == 1
+    assert evaluate.policy_names("hpa,static", "v2") == ["hpa", "static"]
+
+
 @pytest.mark.slow
 def test_evaluate_judges_every_policy_against_the_rules_frontiers(tmp_path, capsys, daily_trace):
     """`--policy all` on a two-day trace: the frontier table, the yardstick keys per policy
