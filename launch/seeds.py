@@ -95,7 +95,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--trial-cpus", type=float, default=0.5)
     ap.add_argument("--actor-cpus", type=float, default=0.5)
     ap.add_argument("--learner-cpus", type=float, default=0.5)
-    ap.add_argument("--no-dashboard", action="store_true")
+    ap.add_argument("--no-dashboard", action="store_true",
+                    help="no Ray dashboard (as launch.train's): Ray Train's placement-group cleaner then cannot "
+                         "query the state API and logs a warning every second or so")
     ap.add_argument("--quiet", action="store_true")
     a = ap.parse_args(argv)
 

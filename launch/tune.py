@@ -100,7 +100,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--actor-cpus", type=float, default=0.5, help="logical CPUs per rollout actor")
     ap.add_argument("--learner-cpus", type=float, default=0.5, help="logical CPUs per learner worker")
     ap.add_argument("--address", help="an existing Ray cluster; default: start a local one")
-    ap.add_argument("--no-dashboard", action="store_true")
+    ap.add_argument("--no-dashboard", action="store_true",
+                    help="no Ray dashboard (as launch.train's): Ray Train's placement-group cleaner then cannot "
+                         "query the state API and logs a warning every second or so")
     ap.add_argument("--resume", action="store_true",
                     help="continue the experiment at --storage/--name if there is one (finished trials are kept, "
                          "unfinished ones start again; the stored search space and settings are used)")
