@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Optional
 
 from apex_bdq.config import ConfigError
-from launch._io import write_json
+from launch._io import NO_DASHBOARD_HELP, write_json
 
 COLUMNS = (("seed", "seed", "{}"), ("updates", "updates", "{:,}"), ("stopped_by", "stopped by", "{}"),
            ("cost", "cost", "{:.3f}"), ("slo_violation_rate", "violation", "{:.4f}"),
@@ -95,9 +95,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--trial-cpus", type=float, default=0.5)
     ap.add_argument("--actor-cpus", type=float, default=0.5)
     ap.add_argument("--learner-cpus", type=float, default=0.5)
-    ap.add_argument("--no-dashboard", action="store_true",
-                    help="no Ray dashboard (as launch.train's): Ray Train's placement-group cleaner then cannot "
-                         "query the state API and logs a warning every second or so")
+    ap.add_argument("--no-dashboard", action="store_true", help=NO_DASHBOARD_HELP)
     ap.add_argument("--quiet", action="store_true")
     a = ap.parse_args(argv)
 

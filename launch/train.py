@@ -26,7 +26,7 @@ from apex_bdq.config import (BACKENDS, ClusterConfig, ConfigError, TraceConfig, 
 from apex_bdq.local_runner import LocalTrainer
 from apex_bdq.presets import PRESETS
 from apex_bdq.sim.trace import TraceError
-from launch._io import save_figure, write_json
+from launch._io import NO_DASHBOARD_HELP, save_figure, write_json
 
 def plot_curve(history: list[dict], path: str) -> None:
     """Reward and SLO violation rate over training: periodic points on slices of the
@@ -185,9 +185,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                         f"{CL.checkpoint_every_s:g})")
     g.add_argument("--storage-path", help="Ray Train storage (checkpoints): a folder or s3:// / gs:// URI; "
                    "default: a temp dir (refused on a multi-node cluster, which needs shared storage)")
-    g.add_argument("--no-dashboard", action="store_true",
-                   help="start the local cluster without the Ray dashboard (saves ~1 s and ~100 MB; Ray Train's "
-                        "state queries then fail and log warnings)")
+    g.add_argument("--no-dashboard", action="store_true", help=NO_DASHBOARD_HELP)
     ap.add_argument("--config", metavar="JSON",
                     help="read arguments from a JSON file's \"train_args\" list (e.g. launch.tune's best_config.json); "
                          "arguments given here come after them and win")

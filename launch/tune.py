@@ -33,7 +33,7 @@ from typing import Optional
 from apex_bdq.config import ConfigError
 from apex_bdq.tuning import (DEFAULT_SPACE, METRIC, RESULT_COLUMNS, domain_max, parse_space, pick_best, ray_cpus,
                              results_table, run_trial, trial_resources, trial_train_config)
-from launch._io import write_json
+from launch._io import NO_DASHBOARD_HELP, write_json
 
 
 def print_table(rows: list[dict], keys: list[str]) -> None:
@@ -100,9 +100,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--actor-cpus", type=float, default=0.5, help="logical CPUs per rollout actor")
     ap.add_argument("--learner-cpus", type=float, default=0.5, help="logical CPUs per learner worker")
     ap.add_argument("--address", help="an existing Ray cluster; default: start a local one")
-    ap.add_argument("--no-dashboard", action="store_true",
-                    help="no Ray dashboard (as launch.train's): Ray Train's placement-group cleaner then cannot "
-                         "query the state API and logs a warning every second or so")
+    ap.add_argument("--no-dashboard", action="store_true", help=NO_DASHBOARD_HELP)
     ap.add_argument("--resume", action="store_true",
                     help="continue the experiment at --storage/--name if there is one (finished trials are kept, "
                          "unfinished ones start again; the stored search space and settings are used)")
