@@ -98,6 +98,8 @@ class RolloutWorker:
         self.recorder = SegmentRecorder(sim_cfg.num_shards, self.pref, self.rng, source) if self.pref else None
         self.overload_util = (pref_cfg or PreferenceConfig()).overload_utilisation
         self.overload_ticks = 0  # shard-ticks above the utilisation threshold (exploration safety)
+        self.breached_windows = 0  # settled class-windows whose SLO broke (v2; exploration safety)
+        self.settled_windows = 0
         self.version = 0  # of the weights acting; stamped on segments
         # Discount per decision: gamma^k for a decision held k ticks.
         self.nstep = NStepAccumulator(sim_cfg.num_shards, agent_cfg.n_step, agent_cfg.gamma ** agent_cfg.decision_ticks)
@@ -149,8 +151,12 @@ class RolloutWorker:
             self.overload_ticks += int(over.sum())
             if self.recorder is not None:
                 self.recorder.tick(info, over)
-            if lam and info["window_violated"] is not None:
-                reward = reward - lam * info["window_violated"].sum(1)  # [S] broken class-windows
+            wv = info.get("window_violated")
+            if wv is not None:
+                self.breached_windows += int(wv.sum())
+                self.settled_windows += wv.size
+                if lam:
+                    reward = reward - lam * wv.sum(1)  # [S] broken class-windows
             block += (g ** i) * reward
             if truncated:
                 break

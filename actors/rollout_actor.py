@@ -236,6 +236,8 @@ class RolloutActor:
         return ActorStats(actor=self.actor_id, env_steps=self.worker.env_steps, decisions=self.decisions,
                           transitions_sent=self.sent, weight_version=self.version, backpressure_wait_s=self.wait_s,
                           segments_sent=self.segments_sent, overload_ticks=self.worker.overload_ticks,
+                          breached_windows=self.worker.breached_windows,
+                          settled_windows=self.worker.settled_windows,
                           chunks_lost=self.chunks_lost, transitions_lost=self.transitions_lost,
                           segments_lost=self.segments_lost, env_steps_per_s=self.worker.env_steps / el,
                           epsilon_min=float(self.eps.min()), epsilon_max=float(self.eps.max()),

@@ -148,6 +148,7 @@ class LocalTrainer:
     def stop(self) -> dict:
         return {"progress": self.progress(),
                 "exploration_overload_rate": self.rollout.overload_ticks / max(self.rollout.env_steps, 1),
+                "exploration_breach_rate": self.rollout.breached_windows / max(self.rollout.settled_windows, 1),
                 "preference": self.preference_stats()}
 
     def run(self, progress: bool = True, checkpoint: Optional[str] = None, minutes: Optional[float] = None,

@@ -222,6 +222,8 @@ class ActorStats(_Message):
     backpressure_wait_s: float = 0.0
     segments_sent: int = 0
     overload_ticks: int = 0
+    breached_windows: int = 0
+    settled_windows: int = 0
     chunks_lost: int = 0
     transitions_lost: int = 0
     segments_lost: int = 0

@@ -33,6 +33,9 @@ from apex_bdq.durable import atomic_write
 from apex_bdq.system import make_components
 from apex_bdq.messages import ActorStats, StoreMeta, StoreStatus
 
+_CARRIED = ("env_steps", "overload_ticks", "breached_windows", "settled_windows")
+"""A rollout actor's counters that survive its restarts (added over its incarnations)."""
+
 ROLLOUT_RESOURCE = "rollout"
 LEARNER_RESOURCE = "learner"
 
@@ -71,8 +74,8 @@ class ApexRun:
         # Supervision: restarted rollout actors get their loop back; their counters carry on.
         self.recoveries = {"rollout": 0, "replay": 0, "learner": 0, "preference": 0}
         self.dead_actors: set = set()
-        self._actor_seen: dict = {}  # actor -> (pid, env_steps, overload_ticks) last seen
-        self._actor_offset: dict = {}  # actor -> (env_steps, overload_ticks) of its dead incarnations
+        self._actor_seen: dict = {}  # actor -> (pid, counters) last seen
+        self._actor_offset: dict = {}  # actor -> counters of its dead incarnations
         self._shard_pids: dict = {}
         self._pref_pid = None
         self._last_copied = None  # the learner checkpoint last copied to spec.checkpoint_path
@@ -225,12 +228,11 @@ class ApexRun:
             i = x.actor
             seen = self._actor_seen.get(i)
             if seen is not None and seen[0] != x.pid:  # a new incarnation: keep what the old one did
-                off = self._actor_offset.get(i, (0, 0))
-                self._actor_offset[i] = (off[0] + seen[1], off[1] + seen[2])
-            self._actor_seen[i] = (x.pid, x.env_steps, x.overload_ticks)
-            off = self._actor_offset.get(i, (0, 0))
-            x.env_steps += off[0]
-            x.overload_ticks += off[1]
+                off = self._actor_offset.get(i, (0,) * len(_CARRIED))
+                self._actor_offset[i] = tuple(a + b for a, b in zip(off, seen[1]))
+            self._actor_seen[i] = (x.pid, tuple(getattr(x, k) for k in _CARRIED))
+            for k, v in zip(_CARRIED, self._actor_offset.get(i, (0,) * len(_CARRIED))):
+                setattr(x, k, getattr(x, k) + v)
         shards = [x for x in shards_all if x is not None]
         actors = [x for x in actors_all if x is not None]
         self.recoveries["learner"] = int(st.learner_restarts)
@@ -444,6 +446,8 @@ class ApexRun:
                 "num_learners": s.num_learners, "backend": s.backend,
                 "exploration_overload_rate": sum(x.get("overload_ticks", 0) for x in st["actors"]) /
                 max(st["env_steps"], 1),
+                "exploration_breach_rate": sum(x.get("breached_windows", 0) for x in st["actors"]) /
+                max(sum(x.get("settled_windows", 0) for x in st["actors"]), 1),
                 "preference": st.get("preference"), "checkpoint": ck}
 
     def run(self, minutes: Optional[float] = None, max_updates: Optional[int] = None,

@@ -232,6 +232,31 @@ def test_slo_penalty_charges_broken_class_windows_in_the_training_reward():
     assert broke
 
 
+def test_rollout_counts_the_slo_windows_its_exploration_breaks():
+    """The exploration-safety counters of a rollout worker (what `launch.bench preference`
+    judges the steer by on v2): every settled class-window of every tick, and those whose
+    SLO broke, with no SLO penalty set; a random explorer breaks some."""
+    cfg = PRESETS["smoke"]
+    net = Learner(cfg.net, cfg.agent).net
+    w = RolloutWorker(cfg.sim, cfg.agent, net, epsilons=np.ones(cfg.sim.num_shards), seed=5)
+    assert cfg.agent.slo_penalty == 0
+    seen = {"broke": 0, "settled": 0}
+    real = w.sim.step
+
+    def step(a, **kw):
+        out = real(a, **kw)
+        v = out[3]["window_violated"]
+        if v is not None:
+            seen["broke"] += int(v.sum())
+            seen["settled"] += v.size
+        return out
+    w.sim.step = step
+    for _ in range(60):
+        w.step()
+    assert w.settled_windows == seen["settled"] > 0
+    assert w.breached_windows == seen["broke"] > 0
+
+
 def test_initial_policy_default_starts_from_the_platforms_default_setting():
     """agent.initial_policy="default": the untrained network's greedy choice is the
     platform's default setting on any observation (the local learner and the Ape-X
