@@ -92,6 +92,11 @@ class AugmentConfig:
     """Uniform range of a burst's peak, as a share of the rate it lands on (0.5: +50 %)."""
     burst_s: tuple[float, float] = (60.0, 900.0)
     """Uniform range of a burst's length; its profile is a half sine (rises, peaks, fades)."""
+    traces: tuple[str, ...] = ()
+    """More training traces to mix in (CSV paths, read like `sim.trace.path`, normalised to
+    the same mean load): every training episode each shard replays the training days of one
+    of {the run's trace, these}, drawn with equal chance; only their training ranges are read,
+    never their validation or held-out days. Works with or without `enabled` (the reshaping)."""
 
     def __post_init__(self) -> None:
         for name in ("scale", "time_warp", "burst_height", "burst_s"):
@@ -100,6 +105,13 @@ class AugmentConfig:
             _check(low_ok and lo <= hi, f"sim.augment.{name} must be (lo, hi) with "
                                         f"{'0 <=' if name == 'burst_height' else '0 <'} lo <= hi, got {(lo, hi)!r}")
         _check(self.bursts_per_hour >= 0, f"sim.augment.bursts_per_hour must be >= 0, got {self.bursts_per_hour!r}")
+        _check(all(isinstance(p, str) and p.strip() for p in self.traces),
+               f"sim.augment.traces must be CSV paths, got {self.traces!r}")
+
+    @property
+    def active(self) -> bool:
+        """Whether training episodes differ from the trace's own days (reshaped or mixed)."""
+        return self.enabled or bool(self.traces)
 
 
 # Service times of the bundled trace's four classes: invocation-weighted mean duration of the
@@ -256,7 +268,7 @@ class SimConfig:
         _check(self.latency_cap_factor > 1,
                f"sim.latency_cap_factor must be > 1, got {self.latency_cap_factor!r}")
         _check(self.episode_ticks >= 1, f"sim.episode_s={self.episode_s} is shorter than one tick")
-        _check(not self.augment.enabled or self.platform == "v2", "sim.augment is a platform v2 option")
+        _check(not self.augment.active or self.platform == "v2", "sim.augment is a platform v2 option")
         if self.platform == "v2":
             _check(not self.per_class_capacity, "sim.per_class_capacity is a v1 option: platform v2 always has "
                                                 "one pool per class")

@@ -155,7 +155,8 @@ def _cache_path(sim: SimConfig):
 def measure_coverage(sim: SimConfig, shards: int = 256) -> tuple[np.ndarray, np.ndarray]:
     """Per-feature (min, max) of the load shape over the training days: every tick of the
     training range once (the rule's decisions; the features are arrivals, which decisions do
-    not change), and with `sim.augment` on, one augmented episode per shard on top. The
+    not change), and with `sim.augment` on (reshaping or mixed traces), one augmented episode
+    per shard on top. The
     arrivals are drawn with fixed seeds, not the run's: the coverage belongs to the training
     days, and checkpoints of one config share it (and its cache entry)."""
     from apex_bdq.evaluation import eval_config
@@ -165,9 +166,10 @@ def measure_coverage(sim: SimConfig, shards: int = 256) -> tuple[np.ndarray, np.
     lo = np.full(NF * sim.num_classes, np.inf)
     hi = np.full(NF * sim.num_classes, -np.inf)
     runs = []
-    ecfg, ticks = eval_config(sim.replace(augment=dataclasses.replace(sim.augment, enabled=False)), shards, "train")
+    ecfg, ticks = eval_config(sim.replace(augment=dataclasses.replace(sim.augment, enabled=False, traces=())),
+                              shards, "train")
     runs.append((make_sim(ecfg.replace(num_shards=shards, seed=COVERAGE_SEED), split="train", phases="even"), ticks))
-    if sim.augment.enabled:
+    if sim.augment.active:
         runs.append((make_sim(sim.replace(num_shards=shards, seed=COVERAGE_SEED + 7919), split="train",
                               phases="random"),
                      sim.episode_ticks))

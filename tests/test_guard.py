@@ -234,3 +234,53 @@ def test_augmentation_is_seeded_shaped_and_training_only():
     with pytest.raises(ValueError, match="time_warp"):
         make_sim(base.replace(episode_s=3600.0, augment=AugmentConfig(enabled=True, time_warp=(900.0, 900.0))),
                  split="train", phases="random")
+
+
+def test_mixed_training_traces_draw_per_shard_and_read_only_training_days(tmp_path):
+    """sim.augment.traces: each training episode every shard replays the training days of
+    one of the traces (the run's own or an extra one), with that trace's own history; the
+    extra traces' held-out days are never read, and evaluation reads the run's trace only."""
+    from apex_bdq.sim.platform import make_rates
+    extra = tmp_path / "square_1min.csv"  # 12 days of a square wave: nothing like NASA-HTTP
+    extra.write_text("minute,req\n" + "\n".join(f"{i},{400 if (i // 90) % 2 else 40}" for i in range(12 * 1440)) + "\n")
+    base = SimConfig(num_shards=16, seed=5, episode_s=1800.0)
+    mixed = base.replace(augment=AugmentConfig(traces=(str(extra),)))
+    own = make_rates(base)
+    other = make_rates(base.replace(trace=dataclasses.replace(base.trace, path=str(extra))))
+    sim = make_sim(mixed, split="train", phases="random")
+    assert sim.mixing and sim.augmenting and len(sim.lam_table) == len(own.rates) + other.train[1]
+    a = np.tile(np.asarray(default_action_v2(mixed)), (16, 1))
+    seen_extra = seen_own = False
+    for episode in range(3):
+        if episode:
+            sim.reset()
+        on_extra = np.asarray(sim.mix_base) > 0
+        assert (np.asarray(sim.mix_base)[on_extra] == len(own.rates)).all()
+        seen_extra |= on_extra.any()
+        seen_own |= (~on_extra).any()
+        for _ in range(sim.cfg.episode_ticks):
+            idx = sim.trace_index()
+            local = idx - np.asarray(sim.mix_base)
+            assert (local[on_extra] < other.train[1]).all() and (local[~on_extra] < own.train[1]).all()
+            np.testing.assert_array_equal(sim.lam_table[idx[on_extra]], other.rates[local[on_extra]])
+            np.testing.assert_array_equal(sim.lam_table[idx[~on_extra]], own.rates[idx[~on_extra]])
+            _, _, ok_d, _ = sim.seasonal(idx)
+            np.testing.assert_array_equal(ok_d, local >= sim.day)  # history from the shard's own trace
+            sim.step(a)
+    assert seen_extra and seen_own
+    # The reshaping is off: each trace is replayed at its own rate.
+    assert (sim.aug_mult == 1.0).all()
+    # Seeded: the same seed draws the same traces and starts.
+    again = make_sim(mixed, split="train", phases="random")
+    other_seed = make_sim(mixed.replace(seed=6), split="train", phases="random")
+    np.testing.assert_array_equal(again.offset, make_sim(mixed, split="train", phases="random").offset)
+    assert not np.array_equal(again.offset, other_seed.offset)
+    # Evaluation and validation read the run's own trace only.
+    for split in ("eval", "val"):
+        ev = make_sim(mixed, split=split, phases="even")
+        assert not ev.mixing and len(ev.lam_table) == len(own.rates)
+    with pytest.raises(Exception, match="nope.csv"):
+        make_sim(base.replace(augment=AugmentConfig(traces=(str(tmp_path / "nope.csv"),))), split="train",
+                 phases="random")
+    with pytest.raises(ConfigError, match="sim.augment.traces"):
+        AugmentConfig(traces=("",))

@@ -140,7 +140,14 @@ class PlatformSimV2(PoolsView):
         self.class_load, self.inv_class_load = sc.class_load, sc.inv_class_load  # [K] Erlangs
         self.class_rate, self.inv_class_rate = sc.class_rate, sc.inv_class_rate  # [K] mean requests per second
         self.lam_table = self.rates.rates.astype(f32, copy=False)  # [T, K], shared by every simulator of the trace
+        self.tod_table, self.tow_table = self.rates.time_of_day, self.rates.time_of_week
         self.caps = pool_caps(cfg, self.rates)  # [K]
+        # Mixed training traces (sim.augment.traces): one table of every trace's days up to the
+        # end of its training range, and per trace (first tick, training range) in that table.
+        self.mix_segments = np.array([[0, *self.range]], dtype=np.int64)  # [M, 3]
+        self.mix_base: np.ndarray | int = 0  # [S] first tick of each shard's trace in the table
+        if self.mixing:
+            self._build_mix()
         self.pool_max = self.caps  # [K] (v1 has one int)
         self.sizing = _sizing_table(tuple(svc), tuple(self.slo.astype(np.float64)), tuple(self.caps.tolist()),
                                     cfg.min_servers)
@@ -215,13 +222,44 @@ class PlatformSimV2(PoolsView):
         # Coarse history: block means of the observed arrival rate, oldest first, seeded from
         # the trace before the episode (a platform has history when an episode starts).
         j = np.arange(self.Hc, 0, -1)[:, None] * self.cb - self.cb // 2  # [Hc, 1] ticks back
-        back = np.maximum(self.offset[None, :] - j, 0)  # [Hc, S]
+        back = np.maximum(self.offset[None, :] - j, self.mix_base)  # [Hc, S], within the shard's own trace
         self.coarse = self.lam_table[back].astype(f32)  # [Hc, S, K]
         if self.aug_scale is not None:
             self.coarse *= self.aug_scale[None, :, None]
         self.coarse_acc = np.zeros((S, K), dtype=f32)
         self.coarse_ptr = 0
         return self._observe()
+
+    def _build_mix(self) -> None:
+        """The table of mixed training traces: this run's trace whole (its validation and
+        held-out days are never drawn: episodes start in its training range), then each
+        extra trace up to the end of its training range; pools sized for every trace's peak."""
+        import dataclasses as dc
+        tables, tods, tows, segs = [self.lam_table], [self.tod_table], [self.tow_table], [[0, *self.range]]
+        base = len(self.lam_table)
+        for path in self.cfg.augment.traces:
+            r = make_rates(self.cfg.replace(trace=dc.replace(self.cfg.trace, path=path, columns=None, smooth_s=None)))
+            if r.rates.shape[1] != self.K:
+                raise ValueError(f"sim.augment.traces: {path} gives {r.rates.shape[1]} classes, the run has {self.K}")
+            lo, hi = r.split_range("train")
+            tables.append(r.rates[:hi].astype(np.float32, copy=False))
+            tods.append(r.time_of_day[:hi])
+            tows.append(r.time_of_week[:hi] if r.time_of_week is not None else np.zeros(hi, dtype=np.float32))
+            segs.append([base, base + lo, base + hi])
+            self.caps = np.maximum(self.caps, pool_caps(self.cfg, r))
+            base += hi
+        self.lam_table = np.concatenate(tables)
+        self.tod_table, self.tow_table = np.concatenate(tods), np.concatenate(tows)
+        self.mix_segments = np.array(segs, dtype=np.int64)
+        self.pool_max = self.caps
+        self.sizing = _sizing_table(tuple(np.asarray(self.cfg.service_time_s, dtype=np.float64)),
+                                    tuple(self.slo.astype(np.float64)), tuple(self.caps.tolist()), self.cfg.min_servers)
+        self.erlang = ErlangCTable(int(self.caps.max()))
+
+    @property
+    def mixing(self) -> bool:
+        """Whether training episodes draw among several traces (sim.augment.traces)."""
+        return bool(self.cfg.augment.traces) and self.split == "train" and self.phases == "random"
 
     # ---------------------------------------------------------------------------------
     def _draw_augmentation(self) -> None:
@@ -234,16 +272,24 @@ class PlatformSimV2(PoolsView):
             lo, hi = np.log(lo_hi[0]), np.log(lo_hi[1])
             return np.exp(rng.uniform(lo, hi, size=S))
 
-        self.aug_scale = log_uniform(aug.scale).astype(np.float32)
-        self.aug_warp = log_uniform(aug.time_warp)
+        if aug.enabled:
+            self.aug_scale = log_uniform(aug.scale).astype(np.float32)
+            self.aug_warp = log_uniform(aug.time_warp)
+        else:  # mixed traces only: each replayed as it is
+            self.aug_scale, self.aug_warp = np.ones(S, dtype=np.float32), np.ones(S)
         span = np.ceil(E * self.aug_warp).astype(np.int64) + 1  # trace ticks the episode reads
-        if (span >= self.range_len).any():
+        seg = self.mix_segments[rng.integers(0, len(self.mix_segments), size=S)] if self.mixing \
+            else self.mix_segments[np.zeros(S, dtype=np.int64)]  # [S, 3]: table base, training range
+        room = seg[:, 2] - seg[:, 1]
+        if (span >= room).any():
             raise ValueError(f"sim.augment.time_warp up to {aug.time_warp[1]} needs {int(span.max())} ticks of the "
-                             f"training range per episode; it has {self.range_len}")
-        self.offset = self.range[0] + (rng.random(S) * (self.range_len - span)).astype(np.int64)
+                             f"training range per episode; it has {int(room[span >= room].min())}")
+        self.offset = seg[:, 1] + (rng.random(S) * (room - span)).astype(np.int64)
+        self.mix_base = seg[:, 0] if self.mixing else 0
         mult = np.ones((S, E + 1), dtype=np.float32)
         t = np.arange(E + 1, dtype=np.float64)
-        n = rng.poisson(aug.bursts_per_hour * E * self.dt / 3600.0, size=S)
+        n = rng.poisson(aug.bursts_per_hour * E * self.dt / 3600.0, size=S) if aug.enabled \
+            else np.zeros(S, dtype=np.int64)
         for i in np.nonzero(n)[0]:
             for _ in range(int(n[i])):
                 length = rng.uniform(*aug.burst_s) / self.dt
@@ -255,8 +301,8 @@ class PlatformSimV2(PoolsView):
 
     @property
     def augmenting(self) -> bool:
-        """Whether episodes reshape the trace: training days, random phases, augment on."""
-        return self.cfg.augment.enabled and self.split == "train" and self.phases == "random"
+        """Whether episodes reshape or mix traces: training days, random phases, augment on."""
+        return self.cfg.augment.active and self.split == "train" and self.phases == "random"
 
     def trace_index(self) -> np.ndarray:
         """[S] trace tick of each shard now."""
@@ -412,8 +458,8 @@ class PlatformSimV2(PoolsView):
         day available [S], week available [S]); zeros where the trace does not reach back."""
         day_i = idx[:, None] - self.day + self.leads[None, :]  # [S, J]
         week_i = idx[:, None] - self.week + self.leads[None, :]
-        ok_d = idx >= self.day
-        ok_w = idx >= self.week
+        ok_d = idx - self.mix_base >= self.day  # within the shard's own trace
+        ok_w = idx - self.mix_base >= self.week
         d = self.lam_table[np.maximum(day_i, 0)] * ok_d[:, None, None]
         w = self.lam_table[np.maximum(week_i, 0)] * ok_w[:, None, None]
         if self.aug_scale is not None:  # history at the episode's level (its bursts are new)
@@ -429,7 +475,7 @@ class PlatformSimV2(PoolsView):
         d, w, ok_d, ok_w = self.seasonal(idx)
         lagged = (self.mon_ptr - self.lag) % (self.lag + 1)
         order = (self.coarse_ptr + np.arange(self.Hc)) % self.Hc  # oldest first
-        macro_v2(macro, cls, self.scales, tod=self.rates.time_of_day[idx], tow=self.rates.time_of_week[idx],
+        macro_v2(macro, cls, self.scales, tod=self.tod_table[idx], tow=self.tow_table[idx],
                  window_phase=(self.t % self.W) / self.W, admission_level=self.level[:, -1], ok_1d=ok_d, ok_7d=ok_w,
                  in_flight=self.mon_load[lagged], utilisation=self.mon_util[lagged], ready=self.active,
                  booting=self.pending, booting_soon=self.prov.ready_within(self.soon), target=self.target,
