@@ -34,7 +34,7 @@ from apex_bdq.system import make_components
 from apex_bdq.messages import ActorStats, StoreMeta, StoreStatus
 
 _CARRIED = ("env_steps", "overload_ticks", "breached_windows", "settled_windows")
-"""A rollout actor's counters that survive its restarts (added over its incarnations)."""
+"""A rollout actor's counters that survive its restarts (added over its incarnations); env_steps first."""
 
 ROLLOUT_RESOURCE = "rollout"
 LEARNER_RESOURCE = "learner"
@@ -244,7 +244,7 @@ class ApexRun:
         self.store.record_driver_metrics.remote(lag, len(actors))
         # Env steps: live actors plus the last figure seen of any not answering right now.
         env = sum(x.env_steps for x in actors) + sum(
-            self._actor_seen[i][1] + self._actor_offset.get(i, (0, 0))[0] for i in self._actor_seen
+            self._actor_seen[i][1][0] + self._actor_offset.get(i, (0,) * len(_CARRIED))[0] for i in self._actor_seen
             if i not in {x.actor for x in actors})
         # The driver's view, as plain values (progress lines, the result JSON).
         return {"version": st.version, "learner": st.learner.as_dict() if st.learner is not None else {},
