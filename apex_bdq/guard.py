@@ -156,9 +156,8 @@ def measure_coverage(sim: SimConfig, shards: int = 256) -> tuple[np.ndarray, np.
     """Per-feature (min, max) of the load shape over the training days: every tick of the
     training range once (the rule's decisions; the features are arrivals, which decisions do
     not change), and with `sim.augment` on (reshaping or mixed traces), one augmented episode
-    per shard on top. The
-    arrivals are drawn with fixed seeds, not the run's: the coverage belongs to the training
-    days, and checkpoints of one config share it (and its cache entry)."""
+    per shard on top. The arrivals are drawn with fixed seeds, not the run's: the coverage
+    belongs to the training days, and checkpoints of one config share it (and its cache entry)."""
     from apex_bdq.evaluation import eval_config
     from apex_bdq.sim import make_sim
     from apex_bdq.sim.baselines import default_actions

@@ -35,6 +35,7 @@ from apex_bdq.messages import ActorStats, StoreMeta, StoreStatus
 
 _CARRIED = ("env_steps", "overload_ticks", "breached_windows", "settled_windows")
 """A rollout actor's counters that survive its restarts (added over its incarnations); env_steps first."""
+_NONE_CARRIED = (0,) * len(_CARRIED)
 
 ROLLOUT_RESOURCE = "rollout"
 LEARNER_RESOURCE = "learner"
@@ -228,10 +229,10 @@ class ApexRun:
             i = x.actor
             seen = self._actor_seen.get(i)
             if seen is not None and seen[0] != x.pid:  # a new incarnation: keep what the old one did
-                off = self._actor_offset.get(i, (0,) * len(_CARRIED))
+                off = self._actor_offset.get(i, _NONE_CARRIED)
                 self._actor_offset[i] = tuple(a + b for a, b in zip(off, seen[1]))
             self._actor_seen[i] = (x.pid, tuple(getattr(x, k) for k in _CARRIED))
-            for k, v in zip(_CARRIED, self._actor_offset.get(i, (0,) * len(_CARRIED))):
+            for k, v in zip(_CARRIED, self._actor_offset.get(i, _NONE_CARRIED)):
                 setattr(x, k, getattr(x, k) + v)
         shards = [x for x in shards_all if x is not None]
         actors = [x for x in actors_all if x is not None]
@@ -244,7 +245,7 @@ class ApexRun:
         self.store.record_driver_metrics.remote(lag, len(actors))
         # Env steps: live actors plus the last figure seen of any not answering right now.
         env = sum(x.env_steps for x in actors) + sum(
-            self._actor_seen[i][1][0] + self._actor_offset.get(i, (0,) * len(_CARRIED))[0] for i in self._actor_seen
+            self._actor_seen[i][1][0] + self._actor_offset.get(i, _NONE_CARRIED)[0] for i in self._actor_seen
             if i not in {x.actor for x in actors})
         # The driver's view, as plain values (progress lines, the result JSON).
         return {"version": st.version, "learner": st.learner.as_dict() if st.learner is not None else {},

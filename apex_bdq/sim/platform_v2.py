@@ -246,15 +246,11 @@ class PlatformSimV2(PoolsView):
             tods.append(r.time_of_day[:hi])
             tows.append(r.time_of_week[:hi] if r.time_of_week is not None else np.zeros(hi, dtype=np.float32))
             segs.append([base, base + lo, base + hi])
-            self.caps = np.maximum(self.caps, pool_caps(self.cfg, r))
+            self.caps = np.maximum(self.caps, pool_caps(self.cfg, r))  # the sizing table is built from these
             base += hi
         self.lam_table = np.concatenate(tables)
         self.tod_table, self.tow_table = np.concatenate(tods), np.concatenate(tows)
         self.mix_segments = np.array(segs, dtype=np.int64)
-        self.pool_max = self.caps
-        self.sizing = _sizing_table(tuple(np.asarray(self.cfg.service_time_s, dtype=np.float64)),
-                                    tuple(self.slo.astype(np.float64)), tuple(self.caps.tolist()), self.cfg.min_servers)
-        self.erlang = ErlangCTable(int(self.caps.max()))
 
     @property
     def mixing(self) -> bool:
@@ -272,12 +268,9 @@ class PlatformSimV2(PoolsView):
             lo, hi = np.log(lo_hi[0]), np.log(lo_hi[1])
             return np.exp(rng.uniform(lo, hi, size=S))
 
-        if aug.enabled:
-            self.aug_scale = log_uniform(aug.scale).astype(np.float32)
-            self.aug_warp = log_uniform(aug.time_warp)
-        else:  # mixed traces only: each replayed as it is
-            self.aug_scale, self.aug_warp = np.ones(S, dtype=np.float32), np.ones(S)
-        span = np.ceil(E * self.aug_warp).astype(np.int64) + 1  # trace ticks the episode reads
+        scale = log_uniform(aug.scale).astype(np.float32) if aug.enabled else None
+        warp = log_uniform(aug.time_warp) if aug.enabled else np.ones(S)
+        span = np.ceil(E * warp).astype(np.int64) + 1  # trace ticks the episode reads
         seg = self.mix_segments[rng.integers(0, len(self.mix_segments), size=S)] if self.mixing \
             else self.mix_segments[np.zeros(S, dtype=np.int64)]  # [S, 3]: table base, training range
         room = seg[:, 2] - seg[:, 1]
@@ -286,10 +279,12 @@ class PlatformSimV2(PoolsView):
                              f"training range per episode; it has {int(room[span >= room].min())}")
         self.offset = seg[:, 1] + (rng.random(S) * (room - span)).astype(np.int64)
         self.mix_base = seg[:, 0] if self.mixing else 0
+        if not aug.enabled:  # mixed traces only: each replayed as it is (no per-tick reshaping)
+            return
+        self.aug_scale, self.aug_warp = scale, warp
         mult = np.ones((S, E + 1), dtype=np.float32)
         t = np.arange(E + 1, dtype=np.float64)
-        n = rng.poisson(aug.bursts_per_hour * E * self.dt / 3600.0, size=S) if aug.enabled \
-            else np.zeros(S, dtype=np.int64)
+        n = rng.poisson(aug.bursts_per_hour * E * self.dt / 3600.0, size=S)
         for i in np.nonzero(n)[0]:
             for _ in range(int(n[i])):
                 length = rng.uniform(*aug.burst_s) / self.dt
