@@ -47,6 +47,8 @@ class LocalTrainer:
         # every accepted pair is in the durable log before it counts.
         self.pref = None
         self.pref_active = False
+        # (broken, settled) class-windows when the updates reached pref.warmup_updates.
+        self._warm_counts: Optional[tuple[int, int]] = None
         if p.enabled:
             log = os.path.abspath(feedback_log) if feedback_log else parts.feedback_log(prefix="local")
             self.pref = parts.preference(log, heldout_every)
@@ -106,9 +108,12 @@ class LocalTrainer:
             s = self.replay.sample(self.cfg.agent.batch_size)
             pb = self.pref.sample() if self.pref is not None and \
                 self.learner.updates % self.cfg.pref.update_every == 0 else None
-            if self.pref is not None and not self.pref_active and self.learner.updates >= self.cfg.pref.warmup_updates:
-                self.rollout.set_preference_active(True)
-                self.pref_active = True
+            if self._warm_counts is None and self.learner.updates >= self.cfg.pref.warmup_updates:
+                # From here on a steer can act (with or without one: the same stretch is compared).
+                self._warm_counts = (self.rollout.breached_windows, self.rollout.settled_windows)
+                if self.pref is not None:
+                    self.rollout.set_preference_active(True)
+                    self.pref_active = True
             out = self.learner.step(SampledBatch.from_replay(s), pb)
             self.replay.update_priorities(s.indices, s.generations, out.priorities)
             self.last_loss = out.loss
@@ -146,9 +151,12 @@ class LocalTrainer:
         self.checkpoint(path, counters)
 
     def stop(self) -> dict:
+        b0, n0 = self._warm_counts if self._warm_counts is not None else (None, None)
         return {"progress": self.progress(),
                 "exploration_overload_rate": self.rollout.overload_ticks / max(self.rollout.env_steps, 1),
                 "exploration_breach_rate": self.rollout.breached_windows / max(self.rollout.settled_windows, 1),
+                "exploration_breach_rate_after_warmup": None if b0 is None else
+                (self.rollout.breached_windows - b0) / max(self.rollout.settled_windows - n0, 1),
                 "preference": self.preference_stats()}
 
     def run(self, progress: bool = True, checkpoint: Optional[str] = None, minutes: Optional[float] = None,

@@ -617,7 +617,9 @@ def bench_preference(updates: int, variants: list[str], extra: list[str], seed: 
         judged = yardstick.report(cfg.sim, res["learned"], cfg.eval_shards, cfg.final_eval_replicas) \
             if cfg.sim.platform == "v2" and cfg.final_eval_ticks is None else {}
         rows[name] = {"exploration_overload_rate": res["exploration_overload_rate"],
-                      "exploration_breach_rate": res["exploration_breach_rate"], "eval_reward": res["eval_reward"],
+                      "exploration_breach_rate": res["exploration_breach_rate"],
+                      "exploration_breach_rate_after_warmup": res.get("exploration_breach_rate_after_warmup"),
+                      "eval_reward": res["eval_reward"],
                       "cost_saving_vs_best_rule": judged.get("cost_saving_vs_best_rule"),
                       "oracle_gap_closed": judged.get("oracle_gap_closed"), "stopped_by": res.get("stopped_by"),
                       "slo_violation_rate": res["slo_violation_rate"], "hpa_eval_reward": res["hpa_eval_reward"],
@@ -671,6 +673,13 @@ def bench_preference(updates: int, variants: list[str], extra: list[str], seed: 
         floor = wo[floor_key]
         avoidable = wo[risk] - floor
         out["avoidable_overload_removed"] = (wo[risk] - w[risk]) / avoidable if avoidable > 0 else float("nan")
+        # The same after pref.warmup_updates, the stretch where the steer acts (before it both
+        # runs explore unsteered): v2's broken windows only.
+        a_wo, a_w = wo["exploration_breach_rate_after_warmup"], w["exploration_breach_rate_after_warmup"]
+        if v2 and a_wo is not None and a_w is not None:
+            out.update(breaches_after_warmup_without=a_wo, breaches_after_warmup_with=a_w,
+                       avoidable_overload_removed_after_warmup=(a_wo - a_w) / (a_wo - floor)
+                       if a_wo > floor else float("nan"))
         cs_wo, cs_w = wo["cost_saving_vs_best_rule"], w["cost_saving_vs_best_rule"]
         out["cost_saving_lost"] = (cs_wo - cs_w) / abs(cs_wo) if cs_wo and cs_w is not None else float("nan")
         drop = 1 - w[risk] / max(wo[risk], 1e-12)
@@ -696,6 +705,10 @@ def bench_preference(updates: int, variants: list[str], extra: list[str], seed: 
               f"{rem:.0%} (target >= 50 %: {'met' if rem >= 0.5 else 'NOT met'}); the yardstick's cost saving "
               f"{cell_pct(cs_wo)} without, {cell_pct(cs_w)} with: {lost:+.1%} of it lost "
               f"(target <= 5 %: {'met' if lost <= 0.05 else 'NOT met'})")
+        if "avoidable_overload_removed_after_warmup" in out:
+            print(f"after the first {base.pref.warmup_updates:,} updates (the steer acts): broken windows "
+                  f"{out['breaches_after_warmup_without']:.4f} without, {out['breaches_after_warmup_with']:.4f} with; "
+                  f"avoidable removed {out['avoidable_overload_removed_after_warmup']:.0%}")
         print(f"{measure} of the 'without' run's greedy policy alone (no exploration): {wo[greedy_key]:.4f}; of the "
               f"most cautious constant action: {floor:.4f} (what steering can take away lies above these)")
     return out
