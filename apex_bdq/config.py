@@ -518,11 +518,6 @@ class PreferenceConfig:
     temperature: float = 0.3
     """Temperature of that softmax, in utility units (a segment score is split over T x D
     utility terms, so one term is small)."""
-    greedy_tolerance: float = 0.0
-    """Steer the actors' greedy choices too: in each branch, among the sub-actions whose Q is
-    within this share of the branch's Q range (max - min) below its max, act on the one the
-    preference head ranks best (0 = greedy choices are argmax Q; 1 = argmax of the utility).
-    Evaluation and serving act on argmax Q."""
     warmup_updates: int = 2000
     """Exploration and shaping use the utilities only once the learner has made this many
     updates (an untrained head would steer at random)."""
@@ -574,8 +569,6 @@ class PreferenceConfig:
         _check(self.beta >= 0, f"pref.beta must be >= 0, got {self.beta!r}")
         _check(self.temperature > 0, f"pref.temperature must be > 0, got {self.temperature!r}")
         _check(self.shaping >= 0, f"pref.shaping must be >= 0, got {self.shaping!r}")
-        _check(0 <= self.greedy_tolerance <= 1,
-               f"pref.greedy_tolerance must be in [0, 1], got {self.greedy_tolerance!r}")
         for name in ("segment_decisions", "segments_per_emit", "store_segments", "oracle_every",
                      "query_candidates", "batch_pairs", "min_pairs", "update_every", "warmup_updates"):
             _check(getattr(self, name) >= 1, f"pref.{name} must be >= 1, got {getattr(self, name)!r}")

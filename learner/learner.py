@@ -232,25 +232,20 @@ class Explorer:
     uniform)."""
 
     def __init__(self, num_shards: int, num_branches: int, eps: np.ndarray, rng: np.random.Generator,
-                 softmax_temperature: float = 0.0, greedy_tolerance: float = 0.0) -> None:
+                 softmax_temperature: float = 0.0) -> None:
         self.eps = np.asarray(eps, dtype=np.float64)
         if self.eps.shape != (num_shards,):
             raise ValueError(f"epsilons must be one per shard ({num_shards}), got {self.eps.shape}")
         self.rng = rng
         self.temperature = float(softmax_temperature)
-        self.tolerance = float(greedy_tolerance)
         self.utilities: Optional[np.ndarray] = None  # [S, D, n] of the last act, when computed
 
     def act(self, net: BDQNetwork, macro: np.ndarray, micro: np.ndarray,
             want_utilities: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Returns (actions [S, D] int64, q [S, D, n] float32); the preference utilities of
         the same pass are left in `self.utilities` (None without a head)."""
-        q, u = act_values(net, macro, micro, want_utilities or self.wants_utilities)
+        q, u = act_values(net, macro, micro, want_utilities or self.temperature > 0)
         return self.choose(q, u), q
-
-    @property
-    def wants_utilities(self) -> bool:
-        return self.temperature > 0 or self.tolerance > 0
 
     def choose(self, q: np.ndarray, u: Optional[np.ndarray] = None) -> np.ndarray:
         """Actions [S, D] from Q-values [S, D, n] computed already (and the preference
@@ -259,11 +254,4 @@ class Explorer:
         soft = u if self.temperature > 0 else None
         S, D, n = q.shape
         explore = self.rng.random((S, D)) < self.eps[:, None]
-        greedy = q.argmax(-1)
-        if self.tolerance > 0 and u is not None:
-            # Near-ties of the critic go to the sub-action the preference head ranks best:
-            # among those within `tolerance` of the branch's Q range below its max.
-            top, low = q.max(-1, keepdims=True), q.min(-1, keepdims=True)
-            near = q >= top - self.tolerance * (top - low)
-            greedy = np.where(near, u, -np.inf).argmax(-1)
-        return np.where(explore, _explore_choice(self.rng, (S, D), n, soft, self.temperature), greedy)
+        return np.where(explore, _explore_choice(self.rng, (S, D), n, soft, self.temperature), q.argmax(-1))

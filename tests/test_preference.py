@@ -509,29 +509,6 @@ def test_exploration_draws_from_the_preference_softmax():
     assert (greedy.act(net, macro, micro)[0] == 0).all()  # greedy choices are the critic's
 
 
-def test_greedy_tolerance_breaks_near_ties_toward_the_preferred_sub_action():
-    S, D, n = 8, 3, 5
-    rng = np.random.default_rng(0)
-    q = rng.normal(size=(S, D, n))
-    u = rng.normal(size=(S, D, n))
-    ex = Explorer(S, D, np.zeros(S), np.random.default_rng(0))
-    assert (ex.choose(q, u) == q.argmax(-1)).all()  # tolerance 0: the critic's argmax
-    ex.tolerance = 1.0
-    assert (ex.choose(q, u) == u.argmax(-1)).all()  # the whole range: the head's choice
-    ex.tolerance = 0.3
-    a = ex.choose(q, u)
-    qa = np.take_along_axis(q, a[..., None], -1)[..., 0]
-    top, low = q.max(-1), q.min(-1)
-    assert (qa >= top - 0.3 * (top - low)).all()  # never outside the band
-    near = q >= (top - 0.3 * (top - low))[..., None]
-    best_u = np.where(near, u, -np.inf).max(-1)
-    assert np.allclose(np.take_along_axis(u, a[..., None], -1)[..., 0], best_u)  # the best-ranked inside it
-    assert (a != q.argmax(-1)).any()  # and it does differ from argmax Q on these draws
-    assert (ex.choose(q, None) == q.argmax(-1)).all()  # no utilities (no head yet): argmax Q
-    with pytest.raises(ConfigError, match="pref.greedy_tolerance"):
-        PreferenceConfig(greedy_tolerance=1.5)
-
-
 # -- the local trainer with feedback -----------------------------------------------------
 @pytest.mark.slow
 def test_local_trainer_with_oracle_feedback(tmp_path):
@@ -540,7 +517,6 @@ def test_local_trainer_with_oracle_feedback(tmp_path):
     from apex_bdq.config import apply_overrides
     cfg = apply_overrides(PRESETS["smoke"], ["pref.enabled=true", "pref.segment_decisions=4", "pref.min_pairs=4",
                                              "pref.batch_pairs=4", "pref.oracle_pairs=40", "pref.shaping=0.1",
-                                             "pref.greedy_tolerance=0.2",
                                              "pref.warmup_updates=5", "pref.update_every=1", "max_env_ticks=400",
                                              "pref.oracle_pairs_per_min=6000", "minutes=2"])  # max_env_ticks ends it
     assert cfg.net.preference_ensemble == 3
@@ -556,7 +532,6 @@ def test_local_trainer_with_oracle_feedback(tmp_path):
     head1 = tr.learner.net.state_dict()
     assert any(not torch.equal(head0[k], head1[k]) for k in head0)  # the learner trained the head
     assert tr.pref_active and tr.rollout.shaping == 0.1 and tr.rollout.explorer.temperature == cfg.pref.temperature
-    assert tr.rollout.explorer.tolerance == 0.2
     tr.pref.close()
     _, segs, pairs = load_log(log)
     assert len(pairs) == st["oracle_ranked"] and all(p.a in segs and p.b in segs for p in pairs)
