@@ -21,6 +21,7 @@ from apex_bdq.nstep import NStepAccumulator, Transitions
 from apex_bdq.networks import BDQNetwork
 from apex_bdq.preference import Segment
 from apex_bdq.sim import make_sim
+from apex_bdq.sim.provisioning import CapacityBounds
 from learner.learner import Explorer, act_values
 
 
@@ -81,7 +82,10 @@ class SegmentRecorder:
 class RolloutWorker:
     def __init__(self, sim_cfg: SimConfig, agent_cfg: AgentConfig, net: BDQNetwork,
                  epsilons: Optional[np.ndarray] = None, seed: int = 0,
-                 pref_cfg: Optional[PreferenceConfig] = None, source: str = "rollout") -> None:
+                 pref_cfg: Optional[PreferenceConfig] = None, source: str = "rollout",
+                 floor_margin: float = 0.0) -> None:
+        """floor_margin > 0 (platform v2): every tick each class gets at least the replicas
+        the predictive rule asks for at this margin, the guard's floor (`guard.in_training`)."""
         self.sim = make_sim(sim_cfg.replace(seed=seed))
         self.cfg = agent_cfg
         self.net = net
@@ -104,6 +108,12 @@ class RolloutWorker:
         # Discount per decision: gamma^k for a decision held k ticks.
         self.nstep = NStepAccumulator(sim_cfg.num_shards, agent_cfg.n_step, agent_cfg.gamma ** agent_cfg.decision_ticks)
         self.obs = self.sim.reset(seed=seed)
+        self.floor = None
+        if floor_margin:
+            from apex_bdq.sim.baselines import Predictive
+            self.floor = Predictive(margin=floor_margin)
+            self.floor.reset(self.sim)
+        self.floor_raised = self.floor_pool_ticks = 0  # pools the floor raised, of pools stepped
         # Q-values (and preference utilities) of self.obs, computed once: the next decision
         # acts on them and the transitions ending at self.obs bootstrap from them (initial
         # priorities without a second forward pass). None = compute before the next decision.
@@ -143,8 +153,16 @@ class RolloutWorker:
         block = np.zeros(self.sim.S)  # discounted reward of the held action
         truncated = False
         lam = self.slo_penalty
+        cur = o
         for i in range(k):
-            nxt, reward, truncated, info = self.sim.step(actions)
+            if self.floor is None:
+                nxt, reward, truncated, info = self.sim.step(actions)
+            else:
+                lo = self.floor.act(self.sim, cur)[1]
+                nxt, reward, truncated, info = self.sim.step(actions, capacity_bounds=CapacityBounds(lo, None))
+                self.floor_raised += int(self.sim.raised.sum())
+                self.floor_pool_ticks += self.sim.raised.size
+            cur = nxt
             self.env_steps += self.sim.S
             self.episode_reward += reward
             over = info["utilisation"] > self.overload_util  # [S]
@@ -182,6 +200,8 @@ class RolloutWorker:
             self.finished_rewards.extend((self.episode_reward / self.sim.t).tolist())
             self.episode_reward[:] = 0
             nxt = self.sim.reset()
+            if self.floor is not None:
+                self.floor.reset(self.sim)
             self._q = None
             if self.recorder is not None:
                 self.recorder.reset()

@@ -607,7 +607,8 @@ class GuardConfig:
     decision in two ways: its sub-actions relative to the platform's default setting (plan
     1.3 x the monitored load, 300-s hold, admit everything), which needs only the
     observation and so runs behind Serve too; and, where replicas are computed (the
-    simulator), its replicas relative to the best rule's, the predictive rule's at margins
+    simulator), its replicas relative to the best rule's (`in_training`: the floor also while
+    it explores), the predictive rule's at margins
     `floor_margin` and `ceiling_margin` (its own default is 1.2). On a shard whose observation
     lies outside what training covered it falls back to the rules: the default setting's
     sub-actions and, where replicas are computed, the predictive rule's replicas."""
@@ -626,12 +627,16 @@ class GuardConfig:
     step of its sweep below its default 1.2); 0: no floor."""
     ceiling_margin: float = 0.0
     """... and at most the replicas it asks for at this margin; 0: no ceiling."""
+    in_training: bool = False
+    """The floor also bounds the rollouts' replicas while the policy explores and learns (the
+    platform it trains on is the one it is judged on); the band and the fallback stay off."""
 
     def __post_init__(self) -> None:
         _check(self.plan_below >= 0 and self.plan_above >= 0,
                f"guard.plan_below / plan_above must be >= 0, got {self.plan_below!r} / {self.plan_above!r}")
         _check(self.max_admission >= 0, f"guard.max_admission must be >= 0, got {self.max_admission!r}")
         _check(self.ood_margin >= 0, f"guard.ood_margin must be >= 0, got {self.ood_margin!r}")
+        _check(isinstance(self.in_training, bool), f"guard.in_training must be true or false, got {self.in_training!r}")
         for name in ("floor_margin", "ceiling_margin"):
             v = getattr(self, name)
             _check(not isinstance(v, bool) and isinstance(v, numbers.Real) and math.isfinite(v) and v >= 0,

@@ -147,6 +147,47 @@ def test_the_best_rules_replicas_bound_the_learned_ones():
         GuardConfig(floor_margin=1.2, ceiling_margin=1.1)
 
 
+def test_the_floor_in_training_bounds_the_rollouts_replicas_by_the_rules():
+    """guard.in_training: every tick of a rollout each pool holds at least the predictive
+    rule's replicas at the floor margin (a twin rule on the same simulator state says which),
+    a high floor raises most pools and breaks fewer windows; off, or with the guard off, the
+    rollout steps the branches' own replicas."""
+    from apex_bdq.system import make_components
+
+    def worker(*items):
+        cfg = apply_overrides(PRESETS["smoke"], list(items))
+        torch.manual_seed(0)
+        return make_components(cfg).rollout(BDQNetwork(cfg.net), epsilons=np.ones(cfg.sim.num_shards), seed=4)
+
+    w = worker("guard.in_training=true", "guard.floor_margin=3.0")
+    twin = Predictive(margin=3.0)
+    twin.reset(w.sim)
+    step = w.sim.step
+    checked = []
+
+    def checking_step(actions, capacity_bounds=None):  # the twin sees the state the floor saw
+        want = twin.act(w.sim, None)[1]
+        assert capacity_bounds is not None and np.array_equal(capacity_bounds.lo, want)
+        out = step(actions, capacity_bounds=capacity_bounds)
+        assert (w.sim.target >= want).all()
+        checked.append(1)
+        return out
+
+    w.sim.step = checking_step
+    for _ in range(30):
+        w.step()
+    assert len(checked) == 30 * w.cfg.decision_ticks and w.floor_raised > 0.5 * w.floor_pool_ticks
+    floored = w.breached_windows / w.settled_windows
+    for items in (("guard.in_training=false",), ("guard.in_training=true", "guard.enabled=false")):
+        free = worker(*items)
+        assert free.floor is None
+        for _ in range(30):
+            free.step()
+        assert free.floor_pool_ticks == 0 and free.breached_windows / free.settled_windows > floored
+    with pytest.raises(ConfigError, match="guard.in_training"):
+        GuardConfig(in_training="yes")
+
+
 def test_coverage_spans_the_training_days_and_evaluate_learned_runs_under_the_guard(step_trace, monkeypatch):
     # A trace whose training days hold one step: its rates (in units of the class mean) are the coverage.
     path = step_trace(low=(100.0, 2.0, 0.5, 0.02), high=(200.0, 4.0, 1.0, 0.04), at=6000, n=12_000)
