@@ -102,7 +102,8 @@ class RolloutWorker:
         self.pref = pref_cfg if pref_cfg is not None and pref_cfg.enabled else None
         self.steer_temperature = self.pref.temperature if (self.pref is not None and self.pref.explore_softmax
                                                            and net.pref is not None) else 0.0
-        self.explorer = Explorer(sim_cfg.num_shards, sim_cfg.num_branches, self.eps, self.rng)
+        self.explorer = Explorer(sim_cfg.num_shards, sim_cfg.num_branches, self.eps, self.rng,
+                                 band=net.cfg.action_band)
         self.shaping_weight = self.pref.shaping if self.pref is not None and net.pref is not None else 0.0
         self.shaping = 0.0  # on once the head is trained (set_preference_active)
         self.recorder = SegmentRecorder(sim_cfg.num_shards, self.pref, self.rng, source) if self.pref else None

@@ -188,6 +188,52 @@ def test_the_floor_in_training_bounds_the_rollouts_replicas_by_the_rules():
         GuardConfig(in_training="yes")
 
 
+def test_training_under_the_guard_makes_its_band_the_action_space(tmp_path):
+    """guard.in_training: net.action_band is the guard's band; the network gives the
+    sub-actions outside it MASKED_Q (dueling mean over the allowed ones), the explorer draws
+    inside it, uniformly and under the preference softmax, and a checkpoint rebuilds it."""
+    from apex_bdq.checkpoint import load_checkpoint, load_policy
+    from apex_bdq.guard import band
+    from apex_bdq.local_runner import LocalTrainer
+    from apex_bdq.networks import MASKED_Q
+    from learner.learner import Explorer
+    cfg = apply_overrides(PRESETS["smoke"], ["guard.in_training=true", "guard.plan_below=0", "guard.plan_above=1"])
+    want = band(cfg.guard, cfg.sim)
+    assert cfg.net.action_band == want and PRESETS["smoke"].net.action_band == ()
+    plan = default_action_v2(cfg.sim)[0]
+    assert apply_overrides(cfg, ["guard.in_training=false"]).net.action_band == ()  # follows the guard
+    assert apply_overrides(cfg, ["guard.plan_above=2"]).net.action_band[0] == (plan, plan + 2)
+    assert want[0] == (plan, plan + 1) and want[-1] == (0, 0) and want[K] == (0, cfg.sim.sub_actions - 1)
+    ok = cfg.net.allowed()
+    torch.manual_seed(0)
+    net = BDQNetwork(cfg.net)
+    free = BDQNetwork(dataclasses.replace(cfg.net, action_band=()))
+    free.load_state_dict(net.state_dict())  # the band is not in the weights
+    sim = make_sim(cfg.sim)
+    o = sim.reset(seed=0)
+    m, u = torch.as_tensor(o.macro), torch.as_tensor(o.micro)
+    with torch.no_grad():
+        q, adv, v = net(m, u), net.head.advantages(net.represent(m, u)), net.head.value(net.represent(m, u))
+    assert (q[:, ~torch.as_tensor(ok)] == MASKED_Q).all()
+    okt = torch.as_tensor(ok)
+    mean = (adv * okt).sum(-1, keepdim=True) / okt.sum(-1, keepdim=True)
+    assert torch.allclose(q[:, okt], (v.unsqueeze(-1) + adv - mean)[:, okt], atol=1e-5)
+    assert ok[np.arange(ok.shape[0]), q.argmax(-1).numpy()].all()
+    S, D, n = 400, cfg.sim.num_branches, cfg.sim.sub_actions
+    for temp, util in ((0.0, None), (1.0, np.random.default_rng(1).normal(size=(S, D, n)))):
+        ex = Explorer(S, D, np.ones(S), np.random.default_rng(0), softmax_temperature=temp, band=want)
+        a = ex.choose(np.zeros((S, D, n)), util)
+        assert ok[np.arange(D), a].all()
+        assert all(len(np.unique(a[:, d])) == hi - lo + 1 for d, (lo, hi) in enumerate(want))  # the whole band
+    ck = tmp_path / "ck.pt"
+    LocalTrainer(cfg).checkpoint(ck)
+    assert tuple(map(tuple, load_checkpoint(ck)["config"]["net"]["action_band"])) == want
+    loaded = load_policy(ck).net
+    assert loaded.head.banded and torch.equal(loaded.head.allowed, okt)
+    with pytest.raises(ConfigError, match="net.action_band"):
+        dataclasses.replace(cfg.net, action_band=((0, 9),) * D)
+
+
 def test_coverage_spans_the_training_days_and_evaluate_learned_runs_under_the_guard(step_trace, monkeypatch):
     # A trace whose training days hold one step: its rates (in units of the class mean) are the coverage.
     path = step_trace(low=(100.0, 2.0, 0.5, 0.02), high=(200.0, 4.0, 1.0, 0.04), at=6000, n=12_000)
