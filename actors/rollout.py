@@ -21,7 +21,6 @@ from apex_bdq.nstep import NStepAccumulator, Transitions
 from apex_bdq.networks import BDQNetwork
 from apex_bdq.preference import Segment
 from apex_bdq.sim import make_sim
-from apex_bdq.sim.provisioning import CapacityBounds
 from learner.learner import Explorer, act_values
 
 
@@ -88,10 +87,7 @@ class SegmentRecorder:
 class RolloutWorker:
     def __init__(self, sim_cfg: SimConfig, agent_cfg: AgentConfig, net: BDQNetwork,
                  epsilons: Optional[np.ndarray] = None, seed: int = 0,
-                 pref_cfg: Optional[PreferenceConfig] = None, source: str = "rollout",
-                 floor_margin: float = 0.0) -> None:
-        """floor_margin > 0 (platform v2): every tick each class gets at least the replicas
-        the predictive rule asks for at this margin, the guard's floor (`guard.in_training`)."""
+                 pref_cfg: Optional[PreferenceConfig] = None, source: str = "rollout") -> None:
         self.sim = make_sim(sim_cfg.replace(seed=seed))
         self.cfg = agent_cfg
         self.net = net
@@ -102,8 +98,7 @@ class RolloutWorker:
         self.pref = pref_cfg if pref_cfg is not None and pref_cfg.enabled else None
         self.steer_temperature = self.pref.temperature if (self.pref is not None and self.pref.explore_softmax
                                                            and net.pref is not None) else 0.0
-        self.explorer = Explorer(sim_cfg.num_shards, sim_cfg.num_branches, self.eps, self.rng,
-                                 band=net.cfg.action_band)
+        self.explorer = Explorer(sim_cfg.num_shards, sim_cfg.num_branches, self.eps, self.rng)
         self.shaping_weight = self.pref.shaping if self.pref is not None and net.pref is not None else 0.0
         self.shaping = 0.0  # on once the head is trained (set_preference_active)
         self.recorder = SegmentRecorder(sim_cfg.num_shards, self.pref, self.rng, source) if self.pref else None
@@ -115,12 +110,6 @@ class RolloutWorker:
         # Discount per decision: gamma^k for a decision held k ticks.
         self.nstep = NStepAccumulator(sim_cfg.num_shards, agent_cfg.n_step, agent_cfg.gamma ** agent_cfg.decision_ticks)
         self.obs = self.sim.reset(seed=seed)
-        self.floor = None
-        if floor_margin:
-            from apex_bdq.sim.baselines import Predictive
-            self.floor = Predictive(margin=floor_margin)
-            self.floor.reset(self.sim)
-        self.floor_raised = self.floor_pool_ticks = 0  # pools the floor raised, of pools stepped
         # Q-values (and preference utilities) of self.obs, computed once: the next decision
         # acts on them and the transitions ending at self.obs bootstrap from them (initial
         # priorities without a second forward pass). None = compute before the next decision.
@@ -160,16 +149,8 @@ class RolloutWorker:
         block = np.zeros(self.sim.S)  # discounted reward of the held action
         truncated = False
         lam = self.slo_penalty
-        cur = o
         for i in range(k):
-            if self.floor is None:
-                nxt, reward, truncated, info = self.sim.step(actions)
-            else:
-                lo = self.floor.act(self.sim, cur)[1]
-                nxt, reward, truncated, info = self.sim.step(actions, capacity_bounds=CapacityBounds(lo, None))
-                self.floor_raised += int(self.sim.raised.sum())
-                self.floor_pool_ticks += self.sim.raised.size
-            cur = nxt
+            nxt, reward, truncated, info = self.sim.step(actions)
             self.env_steps += self.sim.S
             self.episode_reward += reward
             over = info["utilisation"] > self.overload_util  # [S]
@@ -207,8 +188,6 @@ class RolloutWorker:
             self.finished_rewards.extend((self.episode_reward / self.sim.t).tolist())
             self.episode_reward[:] = 0
             nxt = self.sim.reset()
-            if self.floor is not None:
-                self.floor.reset(self.sim)
             self._q = None
             if self.recorder is not None:
                 self.recorder.reset()

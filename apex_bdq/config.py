@@ -477,24 +477,10 @@ class NetConfig:
     Bradley-Terry loss on ranked segment pairs); 0 = no head. Christiano et al. used 3."""
     preference_hidden: int = 64
     """Hidden width of each preference-head member's branch MLPs."""
-    action_band: tuple = ()
-    """Per branch the (lowest, highest) sub-action the policy may choose: the others get
-    Q = `apex_bdq.networks.MASKED_Q`, so no argmax or max picks them (greedy, targets,
-    serving) and the explorer draws inside the band. (): every sub-action. A training run
-    sets it from its guard: the guard's band with `guard.in_training`, else ()."""
 
     def __post_init__(self) -> None:
-        band = tuple((int(lo), int(hi)) for lo, hi in self.action_band) if isinstance(
-            self.action_band, (list, tuple)) and all(isinstance(b, (list, tuple)) and len(b) == 2
-                                                     for b in self.action_band) else None
-        if band is None:
-            raise ConfigError(f"net.action_band must be () or one (lowest, highest) pair per branch, "
-                              f"got {self.action_band!r}")
-        object.__setattr__(self, "action_band", band)
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name == "action_band":
-                continue
             if f.name == "preference_ensemble":
                 if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                     raise ConfigError(f"net.{f.name} must be an int >= 0, got {v!r}")
@@ -503,17 +489,6 @@ class NetConfig:
                 raise ConfigError(f"net.{f.name} must be >= 1, got {v!r}")
         if self.sub_actions < 2:
             raise ConfigError(f"net.sub_actions must be >= 2, got {self.sub_actions!r}")
-        if band and (len(band) != self.num_branches or not all(0 <= lo <= hi < self.sub_actions for lo, hi in band)):
-            raise ConfigError(f"net.action_band must hold {self.num_branches} pairs 0 <= lowest <= highest < "
-                              f"{self.sub_actions}, got {band!r}")
-
-    def allowed(self):
-        """[D, n] bool: the sub-actions the policy may choose (all without a band)."""
-        import numpy as np
-        ok = np.ones((self.num_branches, self.sub_actions), dtype=bool)
-        for d, (lo, hi) in enumerate(self.action_band):
-            ok[d, :lo] = ok[d, hi + 1:] = False
-        return ok
 
     SHAPE_FIELDS = ("macro_features", "num_classes", "history", "micro_features", "num_branches", "sub_actions")
     """The fields fixed by the simulator's observation and action spaces (the rest are sizes)."""
@@ -637,8 +612,7 @@ class GuardConfig:
     decision in two ways: its sub-actions relative to the platform's default setting (plan
     1.3 x the monitored load, 300-s hold, admit everything), which needs only the
     observation and so runs behind Serve too; and, where replicas are computed (the
-    simulator), its replicas relative to the best rule's (`in_training`: the floor also while
-    it explores), the predictive rule's at margins
+    simulator), its replicas relative to the best rule's, the predictive rule's at margins
     `floor_margin` and `ceiling_margin` (its own default is 1.2). On a shard whose observation
     lies outside what training covered it falls back to the rules: the default setting's
     sub-actions and, where replicas are computed, the predictive rule's replicas."""
@@ -657,18 +631,12 @@ class GuardConfig:
     step of its sweep below its default 1.2); 0: no floor."""
     ceiling_margin: float = 0.0
     """... and at most the replicas it asks for at this margin; 0: no ceiling."""
-    in_training: bool = False
-    """Train under the guard: the floor also bounds the rollouts' replicas, and the band is
-    the policy's action space (`net.action_band`: it explores, learns and chooses only
-    inside it), so the platform it trains on is the one it is judged on. The fallback to the
-    rules stays an evaluation and serving matter (training days are covered by definition)."""
 
     def __post_init__(self) -> None:
         _check(self.plan_below >= 0 and self.plan_above >= 0,
                f"guard.plan_below / plan_above must be >= 0, got {self.plan_below!r} / {self.plan_above!r}")
         _check(self.max_admission >= 0, f"guard.max_admission must be >= 0, got {self.max_admission!r}")
         _check(self.ood_margin >= 0, f"guard.ood_margin must be >= 0, got {self.ood_margin!r}")
-        _check(isinstance(self.in_training, bool), f"guard.in_training must be true or false, got {self.in_training!r}")
         for name in ("floor_margin", "ceiling_margin"):
             v = getattr(self, name)
             _check(not isinstance(v, bool) and isinstance(v, numbers.Real) and math.isfinite(v) and v >= 0,
@@ -815,16 +783,6 @@ class TrainConfig:
                "pref.oracle_slo='window' needs platform v2 (v1 has no SLO windows)")
         if self.net is None:
             object.__setattr__(self, "net", NetConfig.for_sim(self.sim))
-        # net.action_band follows the guard (set again whenever the config is rebuilt, so an
-        # override of guard.* after guard.in_training cannot leave a stale band)
-        g = self.guard
-        if g.enabled and g.in_training and self.sim.platform == "v2":
-            from apex_bdq.guard import band  # the policy chooses only what its guard lets through
-            want_band = band(g, self.sim)
-        else:
-            want_band = ()
-        if self.net.action_band != want_band:
-            object.__setattr__(self, "net", dataclasses.replace(self.net, action_band=want_band))
         if self.pref.enabled and self.net.preference_ensemble == 0:  # the head the feedback trains
             object.__setattr__(self, "net", dataclasses.replace(self.net, preference_ensemble=3))
         want = NetConfig.for_sim(self.sim)

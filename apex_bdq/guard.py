@@ -51,17 +51,6 @@ class GuardError(ValueError):
     pass
 
 
-def band(cfg: GuardConfig, sim: SimConfig) -> tuple:
-    """Per branch the (lowest, highest) sub-action `Guard.apply` lets through on a shard that
-    does not fall back: the plan factors within the default's band, any hold, admission up
-    to the cap (`net.action_band` of a run trained under the guard)."""
-    from apex_bdq.sim.platform_v2 import default_action_v2
-    K, n = sim.num_classes, sim.sub_actions
-    plan = int(default_action_v2(sim)[0])
-    plans = (max(0, plan - cfg.plan_below), min(n - 1, plan + cfg.plan_above))
-    return (plans,) * K + ((0, n - 1),) * K + ((0, min(n - 1, cfg.max_admission)),)
-
-
 def _layout(sim: SimConfig) -> tuple[np.ndarray, int]:
     """[K, Hc] macro indices of each class's coarse rate blocks (oldest first), and Hc."""
     from apex_bdq.sim.platform_v2 import macro_names

@@ -73,11 +73,6 @@ class _GradScale(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-MASKED_Q = -1.0e6
-"""Q of a sub-action outside `net.action_band`: below any value the policy learns (rewards
-are normalised per tick), finite so that it serialises."""
-
-
 class BranchingDuelingHead(nn.Module):
     """State value V(z) and one advantage branch per action dimension.
 
@@ -99,10 +94,6 @@ class BranchingDuelingHead(nn.Module):
         bound1, bound2 = 1 / z ** 0.5, 1 / h ** 0.5
         nn.init.uniform_(self.b1, -bound1, bound1)
         nn.init.uniform_(self.b2, -bound2, bound2)
-        # net.action_band: the sub-actions the policy may choose (not in the state dict: the
-        # config, which a checkpoint stores, rebuilds it)
-        self.banded = bool(cfg.action_band)
-        self.register_buffer("allowed", torch.as_tensor(cfg.allowed()), persistent=False)
 
     @torch.no_grad()
     def start_from(self, actions, margin: float = 0.01) -> None:
@@ -122,15 +113,10 @@ class BranchingDuelingHead(nn.Module):
         return torch.einsum("bdh,dhn->bdn", hid, self.w2) + self.b2
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
-        """Q [B, D, n] = V(s) + A_d(s, a) - mean_a A_d(s, a); with a band the mean is over
-        the allowed sub-actions and the others read MASKED_Q."""
+        """Q [B, D, n] = V(s) + A_d(s, a) - mean_a A_d(s, a)."""
         v = self.value(z)  # [B, 1]
         a = self.advantages(z)  # [B, D, n]
-        if not self.banded:
-            return v.unsqueeze(-1) + a - a.mean(-1, keepdim=True)
-        ok = self.allowed
-        mean = (a * ok).sum(-1, keepdim=True) / ok.sum(-1, keepdim=True)
-        return (v.unsqueeze(-1) + a - mean).masked_fill(~ok, MASKED_Q)
+        return v.unsqueeze(-1) + a - a.mean(-1, keepdim=True)
 
 
 class PreferenceHead(nn.Module):

@@ -63,10 +63,8 @@ class Components:
         pref.enabled."""
         from actors.rollout import RolloutWorker
         c = self.cfg
-        g = c.guard
-        floor = g.floor_margin if g.enabled and g.in_training and c.sim.platform == "v2" else 0.0
         return RolloutWorker(c.sim, c.agent, net, epsilons=epsilons, seed=c.seed if seed is None else seed,
-                             pref_cfg=c.pref if preferences else None, source=source, floor_margin=floor)
+                             pref_cfg=c.pref if preferences else None, source=source)
 
     def actor_config(self, cluster: ClusterConfig) -> TrainConfig:
         """The config one rollout actor runs: its share of the simulated shards."""

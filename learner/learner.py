@@ -204,20 +204,13 @@ class Learner:
 
 
 def _explore_choice(rng: np.random.Generator, shape: tuple, n: int, utilities: Optional[np.ndarray],
-                    temperature: float, band: Optional[np.ndarray] = None) -> np.ndarray:
+                    temperature: float) -> np.ndarray:
     """Exploratory sub-actions [S, D]: uniform, or drawn from softmax(u_d / temperature) when
-    preference utilities [S, D, n] are given (Gumbel-max: argmax of u/T + Gumbel noise);
-    band [D, 2]: per branch the lowest and highest sub-action allowed (net.action_band)."""
+    preference utilities [S, D, n] are given (Gumbel-max: argmax of u/T + Gumbel noise)."""
     if utilities is None:
-        if band is None:
-            return rng.integers(0, n, size=shape)
-        return rng.integers(band[:, 0], band[:, 1] + 1, size=shape)
+        return rng.integers(0, n, size=shape)
     g = rng.gumbel(size=utilities.shape)
-    x = utilities / temperature + g
-    if band is not None:
-        a = np.arange(n)
-        x = np.where((a >= band[:, :1]) & (a <= band[:, 1:]), x, -np.inf)
-    return x.argmax(-1)
+    return (utilities / temperature + g).argmax(-1)
 
 
 @torch.no_grad()
@@ -239,10 +232,7 @@ class Explorer:
     uniform)."""
 
     def __init__(self, num_shards: int, num_branches: int, eps: np.ndarray, rng: np.random.Generator,
-                 softmax_temperature: float = 0.0, band: tuple = ()) -> None:
-        """band: net.action_band (exploration stays inside it; the greedy choice does, as
-        the network gives the sub-actions outside it MASKED_Q)."""
-        self.band = np.asarray(band, dtype=np.int64).reshape(num_branches, 2) if band else None
+                 softmax_temperature: float = 0.0) -> None:
         self.eps = np.asarray(eps, dtype=np.float64)
         if self.eps.shape != (num_shards,):
             raise ValueError(f"epsilons must be one per shard ({num_shards}), got {self.eps.shape}")
@@ -264,5 +254,4 @@ class Explorer:
         soft = u if self.temperature > 0 else None
         S, D, n = q.shape
         explore = self.rng.random((S, D)) < self.eps[:, None]
-        return np.where(explore, _explore_choice(self.rng, (S, D), n, soft, self.temperature, self.band),
-                        q.argmax(-1))
+        return np.where(explore, _explore_choice(self.rng, (S, D), n, soft, self.temperature), q.argmax(-1))
