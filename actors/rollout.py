@@ -38,7 +38,6 @@ class SegmentRecorder:
         self.pick = np.sort(self.rng.choice(self.S, size=min(self.cfg.segments_per_emit, self.S), replace=False))
         self.macro, self.micro, self.action = [], [], []
         self.ticks = {k: [] for k in ("overload", "fairness", "slo", "load", "capacity", "p99_ms")}
-        self.windows: list[np.ndarray] = []  # [P] share of classes whose settled window broke
 
     def decision(self, macro: np.ndarray, micro: np.ndarray, action: np.ndarray) -> None:
         p = self.pick
@@ -51,9 +50,6 @@ class SegmentRecorder:
         t["overload"].append(overload[p])
         t["fairness"].append(info["fairness"][p])
         t["slo"].append(info["slo_violation"][p])
-        wv = info.get("window_violated")
-        if wv is not None and self.cfg.oracle_slo == "window":
-            self.windows.append(wv[p].mean(1))
         t["load"].append(info["offered_erlangs"][p])
         t["capacity"].append(info["servers"][p])
         arr = info["arrivals"][p]
@@ -63,8 +59,6 @@ class SegmentRecorder:
         if len(self.action) < self.cfg.segment_decisions:
             return
         tk = {k: np.stack(v, 1) for k, v in self.ticks.items()}  # [P, ticks]
-        if self.windows:  # pref.oracle_slo == "window": the settled windows instead of ticks
-            tk["slo"] = np.stack(self.windows, 1)
         macro, micro, action = np.stack(self.macro, 1), np.stack(self.micro, 1), np.stack(self.action, 1)
         for j, i in enumerate(self.pick):
             self.ready.append(Segment(

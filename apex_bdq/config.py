@@ -543,10 +543,6 @@ class PreferenceConfig:
     """Share of oracle answers given at random, as real labellers err."""
     oracle_weights: tuple[float, float, float] = (1.0, 1.0, 1.0)
     """Weights of (overload, unfairness, slo_violation) in the oracle's cost."""
-    oracle_slo: str = "tick"
-    """A segment's slo_violation: the share of its ticks on which some class's p99 broke its
-    SLO ("tick"), or the share of the class-windows settled in it whose SLO broke ("window",
-    platform v2: the yardstick's violation rate; "tick" where no window settled in it)."""
     oracle_tie_margin: float = 0.01
     """Costs closer than this are a tie (label 0.5): most segments have no overload and no
     SLO breach, and a labeller does not tell fairness 0.9991 from 0.9993."""
@@ -588,7 +584,6 @@ class PreferenceConfig:
                f"got {self.oracle_weights!r}")
         _check(0 < self.overload_utilisation <= 1,
                f"pref.overload_utilisation must be in (0, 1], got {self.overload_utilisation!r}")
-        _check(self.oracle_slo in ("tick", "window"), f"pref.oracle_slo must be 'tick' or 'window', got {self.oracle_slo!r}")
 
 
 def check_snapshot_settings(on_restart: str, every_s: float, directory: Optional[str]) -> None:
@@ -779,8 +774,6 @@ class TrainConfig:
                f"agent.decision_ticks={self.agent.decision_ticks} (the last held block would be cut short)")
         _check(self.sim.sub_actions <= 256, f"train: sub_actions={self.sim.sub_actions} does not fit the uint8 "
                                             "action field of replay (at most 256)")
-        _check(self.pref.oracle_slo == "tick" or self.sim.platform == "v2",
-               "pref.oracle_slo='window' needs platform v2 (v1 has no SLO windows)")
         if self.net is None:
             object.__setattr__(self, "net", NetConfig.for_sim(self.sim))
         if self.pref.enabled and self.net.preference_ensemble == 0:  # the head the feedback trains

@@ -509,47 +509,6 @@ def test_exploration_draws_from_the_preference_softmax():
     assert (greedy.act(net, macro, micro)[0] == 0).all()  # greedy choices are the critic's
 
 
-def test_the_oracle_can_rank_segments_by_their_broken_slo_windows():
-    """pref.oracle_slo='window': a segment's slo_violation is the share of the class-windows
-    settled in it whose SLO broke (what the yardstick counts), not the share of ticks with a
-    p99 above the SLO; a v1 run cannot ask for it."""
-    from apex_bdq.config import apply_overrides
-    from apex_bdq.presets import PRESETS
-    from apex_bdq.system import make_components
-
-    def segments(mode):
-        cfg = apply_overrides(PRESETS["smoke"], ["pref.enabled=true", "pref.segment_decisions=64",
-                                                 f"pref.oracle_slo={mode}", "sim.num_shards=4"])
-        torch.manual_seed(0)
-        w = make_components(cfg).rollout(BDQNetwork(cfg.net), epsilons=np.ones(4), seed=2)
-        step, seen = w.sim.step, []
-
-        def recording_step(actions, **kw):
-            out = step(actions, **kw)
-            seen.append(out[3]["window_violated"])
-            return out
-
-        w.sim.step = recording_step
-        while not w.recorder.ready:
-            w.step()
-        return w.recorder.take(), seen
-
-    segs, seen = segments("window")
-    settled = [v for v in seen if v is not None]
-    assert settled and len(settled) < len(seen)  # windows settle on some ticks only
-    broken = np.stack(settled)  # [windows, S, K]
-    for seg in segs:
-        shard = int(seg.source.rsplit("shard", 1)[1])
-        assert seg.metrics["slo_violation"] == pytest.approx(broken[:, shard].mean())
-    ticks, _ = segments("tick")
-    assert [s.source for s in ticks] == [s.source for s in segs]
-    assert any(a.metrics["slo_violation"] != b.metrics["slo_violation"] for a, b in zip(ticks, segs))
-    with pytest.raises(ConfigError, match="pref.oracle_slo"):
-        PreferenceConfig(oracle_slo="p99")
-    with pytest.raises(ConfigError, match="platform v2"):
-        apply_overrides(PRESETS["v1"], ["pref.oracle_slo=window"])
-
-
 # -- the local trainer with feedback -----------------------------------------------------
 @pytest.mark.slow
 def test_local_trainer_with_oracle_feedback(tmp_path):
