@@ -607,7 +607,7 @@ class GuardConfig:
     decision in two ways: its sub-actions relative to the platform's default setting (plan
     1.3 x the monitored load, 300-s hold, admit everything), which needs only the
     observation and so runs behind Serve too; and, where replicas are computed (the
-    simulator), its replicas relative to the best rule's, the predictive rule's at margins
+    simulator, the KEDA controller), its replicas relative to the best rule's, the predictive rule's at margins
     `floor_margin` and `ceiling_margin` (its own default is 1.2). On a shard whose observation
     lies outside what training covered it falls back to the rules: the default setting's
     sub-actions and, where replicas are computed, the predictive rule's replicas."""

@@ -3,13 +3,20 @@ HPA's rule on the same telemetry, the guard between them, shadow mode and guarde
 
 Every `sync_s` (HPA's sync period, 15 s) `Controller.decide(t)`
   1. reads the platform (`TelemetryReader`; or `reading_from_sim` inside the simulator);
-  2. computes HPA's rule on that telemetry (`baselines.HPA.sync`: the autoscaler a platform
-     runs today, the reference of the shadow report and the fallback);
+  2. computes the rule on that telemetry, the reference of the band, the shadow report and the
+     fallback: HPA's (`baselines.HPA.sync`: the autoscaler a platform runs today; `rule`
+     "hpa", the default) or the predictive rule's (`rule` "predictive": on platform v2 the best
+     rule, the one the guard bounds the learned policy by in evaluation; the replicas
+     `baselines.predictive_replicas` sizes for the larger of the monitored rate and the
+     reading's seasonal forecast times `rule_margin`, held 300 s);
   3. runs the policy on the observation: the greedy sub-actions (under the policy's own
      observation guard, `apex_bdq.guard`), then per class the replicas the simulator would
      ask for — the plan (`sizing.replicas_for` of the monitored rate x the plan factor) held
      by `sizing.HoldWindow` over 15-s blocks: one definition, shared with the simulator;
-  4. guards it: within [rule x (1 - band_below), rule x (1 + band_above)], at most
+  4. guards it: first the policy's own replica bounds (its `GuardConfig`: at least the
+     predictive rule's replicas at `floor_margin`, at most at `ceiling_margin`, as in
+     evaluation; a reading without the forecast then falls back), then within
+     [rule x (1 - band_below), rule x (1 + band_above)], at most
      max(step_up_pods, step_up_pct %) more and step_down_pct % fewer replicas than now per
      decision, within [min_replicas, max_replicas];
   5. falls back to the rule (or, when the rule's own inputs are missing, to the replicas in
@@ -43,6 +50,8 @@ from apex_bdq.sizing import HoldWindow, SizingTable, replicas_for
 
 IDLE_IN_FLIGHT = 1e-3  # requests in flight (an exponential average) below which a class is idle
 FALLBACK_REASONS = ("timeout", "missing", "stale", "query_failed", "not_finite", "out_of_range", "policy_error")
+GUARD_KINDS = ("floor", "ceiling", "band", "rate_limit", "bounds")  # what moved a learned decision, in order
+RULES = ("hpa", "predictive")
 
 
 class ControlError(ValueError):
@@ -63,6 +72,8 @@ class ControlConfig:
     min_replicas: int = 1
     max_replicas: int = 200
     hpa_target_utilisation: float = 0.5
+    rule: str = "hpa"
+    rule_margin: float = 1.2  # the predictive rule's margin (its frontier's default), with rule "predictive"
 
     def __post_init__(self) -> None:
         def need(ok, msg):
@@ -79,6 +90,10 @@ class ControlConfig:
         need(isinstance(self.min_replicas, int) and 0 <= self.min_replicas <= self.max_replicas,
              f"need 0 <= min_replicas <= max_replicas, got {self.min_replicas!r} / {self.max_replicas!r}")
         need(self.hpa_target_utilisation <= 1, "hpa_target_utilisation must be <= 1")
+        need(self.rule in RULES, f"rule must be one of {RULES}, got {self.rule!r}")
+        need(not isinstance(self.rule_margin, bool) and isinstance(self.rule_margin, (int, float))
+             and math.isfinite(self.rule_margin) and self.rule_margin > 0,
+             f"rule_margin must be a number > 0, got {self.rule_margin!r}")
 
     @classmethod
     def from_dict(cls, d: dict) -> "ControlConfig":
@@ -119,7 +134,7 @@ class ControllerMetrics:
         for r in FALLBACK_REASONS:
             self.fallbacks.labels(r)
         for c in classes:
-            for kind in ("band", "rate_limit", "bounds"):
+            for kind in GUARD_KINDS:
                 self.guarded.labels(kind, c)
 
 
@@ -138,6 +153,7 @@ class Decision:
     decide_s: float
     needed: Optional[np.ndarray] = None  # [K] fewest replicas meeting the SLO at the monitored rate (the queueing model)
     in_flight: Optional[np.ndarray] = None  # [K] monitored requests in flight (None: not read)
+    floor: Optional[np.ndarray] = None  # [K] the policy guard's replica floor (None: no floor)
 
     def idle(self, k: int) -> bool:
         """Class k has no requests in flight (what scale to zero waits for); unknown: not idle."""
@@ -148,21 +164,24 @@ class Decision:
             return None if a is None else [int(x) for x in a]
         return {"t": self.t, "mode": self.mode, "classes": list(classes), "applied": lst(self.applied),
                 "rule": lst(self.rule), "learned": lst(self.learned), "guarded": lst(self.guarded),
-                "needed": lst(self.needed), "fallback": self.fallback, "problems": self.problems[:20],
+                "needed": lst(self.needed), "floor": lst(self.floor), "fallback": self.fallback, "problems": self.problems[:20],
                 "levels": {k: (v if isinstance(v, int) else [int(x) for x in v]) for k, v in self.levels.items()},
                 "query_s": round(self.query_s, 6), "decide_s": round(self.decide_s, 6)}
 
 
-def reading_from_sim(sim, obs):
+def reading_from_sim(sim, obs, predictive=None):
     """The Reading the simulator's own state gives (shard 0): what the controller decides on
-    inside the simulator, to compare with the same decisions on live telemetry."""
+    inside the simulator, to compare with the same decisions on live telemetry. predictive: a
+    `baselines.Predictive` reset on `sim`, whose forecast the reading then carries (the input
+    of the controller's predictive rule and of the guard's replica floor); None: no forecast."""
     from apex_bdq.telemetry import Reading
     from apex_bdq.sim.platform import Observation
     mon = sim.monitored()
     return Reading(t=float(sim.t), obs=Observation(macro=obs.macro[:1].copy(), micro=obs.micro[:1].copy()),
                    utilisation=mon["utilisation"][0].astype(np.float64), ready=sim.active[0].astype(np.float64),
                    spec=sim.target[0].astype(np.float64), problems=[], query_s=0.0,
-                   in_flight=mon["load"][0].astype(np.float64))
+                   in_flight=mon["load"][0].astype(np.float64),
+                   forecast=None if predictive is None else predictive.forecast(sim)[0].astype(np.float64))
 
 
 class Controller:
@@ -193,6 +212,8 @@ class Controller:
         self.default = {"plan": d[:K].copy(), "hold": d[K:2 * K].copy(), "admission": int(d[-1])}
         self.levels = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in self.default.items()}
         self.hpa = HPA(target_utilisation=ctl.hpa_target_utilisation, period_s=ctl.sync_s)
+        self.pred_hold = max(1, int(round(self.hpa.window_s / ctl.sync_s)))  # the predictive rule's 300-s hold, in syncs
+        self.pred_recs: dict = {}  # margin -> deque of the predictive rule's recommendations at that margin
         self.hold: Optional[HoldWindow] = None
         self._hold_t: Optional[float] = None  # time of the hold window's last step
         self.applied: Optional[np.ndarray] = None
@@ -201,7 +222,7 @@ class Controller:
         self.log_path = log_path
         self._log = open(log_path, "a", buffering=1) if log_path else None
         self.counts = {r: 0 for r in FALLBACK_REASONS}
-        self.counts.update(decisions=0, band=0, rate_limit=0, bounds=0)
+        self.counts.update(decisions=0, **{k: 0 for k in GUARD_KINDS})
 
     def actions(self) -> np.ndarray:
         """[D] the sub-actions in force as the simulator spells them (plan, hold, admission):
@@ -221,6 +242,34 @@ class Controller:
         """Decide at time t on `reading` (default: read the platform now)."""
         with self._lock:
             return self._decide_locked(t, reading if reading is not None else self.read(t, self.levels))
+
+    def _guard_margins(self) -> dict:
+        """{"floor" / "ceiling": margin} of the policy's replica bounds (its GuardConfig)."""
+        guard = getattr(self.policy, "guard", None)
+        cfg = getattr(guard, "cfg", None)
+        if cfg is None:
+            return {}
+        return {k: m for k, m in (("floor", cfg.floor_margin), ("ceiling", cfg.ceiling_margin)) if m}
+
+    def _predictive(self, reading, margins) -> dict:
+        """{margin: [K] replicas} of the predictive rule at each margin on this reading (one
+        sync: `predictive_replicas`, then the highest of the last 300 s); {} when the reading
+        lacks its inputs (the monitored requests in flight and the forecast)."""
+        from collections import deque
+
+        from apex_bdq.sim.baselines import predictive_replicas
+        if reading.in_flight is None or reading.forecast is None:
+            return {}
+        now = np.maximum(np.asarray(reading.in_flight, dtype=np.float64), 0.0) * self.mu
+        fc = np.asarray(reading.forecast, dtype=np.float64)
+        if not (np.isfinite(now).all() and np.isfinite(fc).all()):
+            return {}
+        out = {}
+        for m in margins:
+            recs = self.pred_recs.setdefault(m, deque(maxlen=self.pred_hold))
+            recs.append(predictive_replicas(now[None], fc[None], m, self.sizing)[0].astype(np.int64))
+            out[m] = np.max(np.stack(recs), axis=0)
+        return out
 
     def _learned(self, reading, t: float) -> tuple[Optional[np.ndarray], Optional[str], dict]:
         """(replicas [K], fallback reason or None, levels) of the policy on a good reading."""
@@ -255,7 +304,13 @@ class Controller:
             current = np.asarray(reading.spec, dtype=np.int64)
         # 2. the rule on the same telemetry
         rule = None
-        if reading.utilisation is not None and reading.ready is not None:
+        bounds = self._guard_margins()
+        margins = set(bounds.values()) | ({ctl.rule_margin} if ctl.rule == "predictive" else set())
+        pred = self._predictive(reading, sorted(margins))
+        if ctl.rule == "predictive":
+            if ctl.rule_margin in pred:
+                rule = np.clip(pred[ctl.rule_margin], lo, hi)
+        elif reading.utilisation is not None and reading.ready is not None:
             if not hasattr(self.hpa, "recs"):
                 self.hpa.start(current if current is not None else np.full(K, lo))
             rule = self.hpa.sync(np.asarray(reading.utilisation), np.asarray(reading.ready), lo, hi).copy()
@@ -271,9 +326,22 @@ class Controller:
             if fallback is not None and fallback.startswith("policy_error"):
                 reading.problems.append(fallback)
                 fallback = "policy_error"
-        # 4. the guard
+        # 4. the guard: the policy's replica bounds (as in evaluation), then the band around the rule
+        floor = None
+        if learned is not None and bounds and not all(bounds[k] in pred for k in bounds):
+            learned, fallback, levels = None, "missing", self.default  # the bounds need the forecast
+            reading.problems.append("missing:forecast: the guard's replica bounds need the predictive rule's forecast")
         if learned is not None:
             g = learned.copy()
+            if "floor" in bounds:
+                floor = pred[bounds["floor"]]
+                raised = np.maximum(g, floor)
+                self._count("floor", raised != g)
+                g = raised
+            if "ceiling" in bounds:
+                capped = np.minimum(g, pred[bounds["ceiling"]])
+                self._count("ceiling", capped != g)
+                g = capped
             ref = rule if rule is not None else current
             if ref is not None:
                 band_lo = np.floor(ref * (1 - ctl.band_below)).astype(np.int64)
@@ -313,7 +381,7 @@ class Controller:
         d = Decision(needed=needed, in_flight=None if reading.in_flight is None else np.asarray(reading.in_flight),
                      t=float(t), mode=ctl.mode, applied=applied, rule=rule, learned=learned, guarded=guarded,
                      fallback=fallback, problems=list(reading.problems), levels=levels, query_s=reading.query_s,
-                     decide_s=decide_s)
+                     decide_s=decide_s, floor=floor)
         self.last = d
         self.counts["decisions"] += 1
         m.decisions.labels(ctl.mode).inc()

@@ -8,12 +8,11 @@ admission level). The guard
      monitored load with HPA's 300-s hold and no refusals: a reactive rule sized with the
      queueing model, computable from an observation alone, so this part runs in the
      simulator, on Ray actors and behind Serve); the admission level to `max_admission`;
-  2. where replicas are computed (the simulator), bounds the replicas the learned
+  2. where replicas are computed (the simulator; the KEDA controller, `apex_bdq.control`,
+     with the forecast from Prometheus' series a week back), bounds the replicas the learned
      sub-actions ask for by the best rule's: per class at least what the predictive rule asks
-     for at margin `floor_margin` (and at most at `ceiling_margin`, when set). The predictive
-     rule needs the trace's history a day or a week back, which an observation does not
-     carry, so behind Serve only part 1 runs; the KEDA controller (`apex_bdq.control`) bounds
-     the replicas by the rule the platform runs, with its own band;
+     for at margin `floor_margin` (and at most at `ceiling_margin`, when set). Serve answers
+     sub-actions and sizes no replicas, so behind it only part 1 runs;
   3. falls back to the rules for a shard whose observation lies outside what training
      covered: the default setting's sub-actions and, where replicas are computed, the
      predictive rule's replicas at its own margin. Outside means its load shape (per class the

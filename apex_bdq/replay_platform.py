@@ -22,7 +22,8 @@ than real time, in the past, so a test replays an hour in a minute and every tic
 The clock starts 45 minutes before the wall clock (Prometheus takes samples within the hour
 before its newest one); `clock_offset_s` maps it onto the trace's time of day and week (the
 reader's time zone setting); `backfill` writes the trace's history before T0 (the last
-`coarse_history` blocks, a day and a week ago around the replayed span) as OpenMetrics and
+`coarse_history` blocks, a day and a week ago around the replayed span and the predictive
+rule's 30-minute level window before it) as OpenMetrics and
 turns it into TSDB blocks with `promtool tsdb create-blocks-from openmetrics`, so the reader
 sees a platform with history from the first tick. `PrometheusServer` runs Debian's
 `prometheus` binary (or $APEX_BDQ_PROMETHEUS) on loopback with that data.
@@ -43,6 +44,7 @@ from typing import Optional
 import numpy as np
 
 from apex_bdq.config import SimConfig
+from apex_bdq.sim.baselines import LEVEL_WINDOW_S
 from apex_bdq.sim.platform import make_rates
 
 DAY_S, WEEK_S = 86400, 7 * 86400
@@ -255,7 +257,7 @@ class ReplayPlatform:
         T0, T1 = self.T0, self.T0 + int(horizon_ticks)
         spans = [(T0 - back, T0)]
         for off in (DAY_S, WEEK_S):
-            spans.append((T0 - off - 300, min(T1 - off + lead, T0)))
+            spans.append((T0 - off - int(LEVEL_WINDOW_S) - 300, min(T1 - off + lead, T0)))  # + the forecast's level window
         spans = sorted((a, b) for a, b in ((max(a, self.W0), b) for a, b in spans) if b > a)
         merged: list[list[int]] = []
         for a, b in spans:

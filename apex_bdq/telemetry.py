@@ -13,7 +13,10 @@ its own with — from
 What the simulator models, the reader measures: "monitored" signals are averages over the
 metrics lag window read one lag late (metrics-server's resolution), the coarse history is
 `increase()` over 2-minute blocks on the clock, the seasonal inputs `rate()` a day and a week
-earlier (what `offset 1d` gives). Metric names and selectors are configurable per service
+earlier (what `offset 1d` gives). Beside the observation each reading carries the predictive
+rule's forecast (`baselines.seasonal_forecast`: the peak rate over the next provisioning delay
+plus one sync a week back, else a day back, times the level correction over the last 30
+minutes), which the controller's predictive rule and the guard's replica floor size. Metric names and selectors are configurable per service
 (`TelemetryConfig`).
 
 Nothing is guessed: a series that is missing for a class, older than `stale_s`, a query that
@@ -36,6 +39,7 @@ import numpy as np
 
 from apex_bdq.config import SimConfig
 from apex_bdq.features import Scales, macro_v2, micro_frame_v2
+from apex_bdq.sim.baselines import LEVEL_WINDOW_S, PREDICTIVE_PERIOD_S, seasonal_forecast
 from apex_bdq.sim.platform import Observation
 
 DAY_S, WEEK_S = 86400, 7 * 86400
@@ -43,6 +47,9 @@ SEASON_WINDOW_S = 60  # rate() window of the seasonal inputs, centred on the lea
 EMA_SPAN = 6  # monitored signals: an exponential average over EMA_SPAN x the lag of per-tick samples
 COUNTERS = ("busy", "requests", "late", "refused")  # queried raw per series, differenced per series
 RULE_INPUTS = ("busy", "ready_mon", "ready", "spec", "series_kube", "series_app", "kube", "app")
+# What the predictive rule reads: the monitored requests in flight (the rate of the moment)
+# and its forecast's inputs (the coarse history, the peak ahead and the level a day / week back).
+PREDICTIVE_INPUTS = ("in_flight", "coarse", "fc_peak_1d", "fc_then_1d", "fc_peak_7d", "fc_then_7d", "series_app", "app")
 
 
 class TelemetryError(ValueError):
@@ -144,6 +151,7 @@ class Reading:
     query_s: float
     in_flight: Optional[np.ndarray] = None  # [K] monitored requests in flight (what the plan sizes for)
     fetch_s: float = 0.0  # of query_s: until every query had answered (the rest builds the features)
+    forecast: Optional[np.ndarray] = None  # [K] the predictive rule's forecast peak rate (0: no past day)
 
     @property
     def ok(self) -> bool:
@@ -242,7 +250,15 @@ class TelemetryReader:
             "age_kube": ("q", f"max by ({d}) ({t} - timestamp({self._sel(m.ready, True)}))", True, inst),
         }
         half = SEASON_WINDOW_S // 2
+        per, lw = int(PREDICTIVE_PERIOD_S), int(LEVEL_WINDOW_S)
+        hz = self.sim.delay_ticks * self.step + per  # the forecast's horizon: one provisioning delay and one sync
         for name, off in (("1d", DAY_S), ("7d", WEEK_S)):
+            # The peak of the rate (over SEASON_WINDOW_S, centred) over [t - off, t - off + hz],
+            # and the mean rate over the level window ending at t - off.
+            q[f"fc_peak_{name}"] = ("q", f"max_over_time((sum by ({c}) (rate({self._sel(m.requests)}[{SEASON_WINDOW_S}s])))"
+                                         f"[{hz}s:{per}s] offset {off - hz - half}s)", False, inst)
+            q[f"fc_then_{name}"] = ("q", f"sum by ({c}) (increase({self._sel(m.requests)}[{lw}s] offset {off}s)) / {lw}",
+                                    False, inst)
             for j, lead in enumerate(self.sim.seasonal_leads_s):
                 o = int(off - lead - half)
                 q[f"season_{name}_{j}"] = ("q", f"sum by ({c}) (rate({self._sel(m.requests)}[{SEASON_WINDOW_S}s] "
@@ -423,11 +439,16 @@ class TelemetryReader:
                 rows.append([v.get(k, 0.0) for k in range(K)])
             ok[name] = float(present)
             season[name] = np.asarray(rows, dtype=np.float64)[None] * present  # [1, J, K]
+        forecast = self._forecast(vec, coarse)
         if problems:
-            # The rule (HPA on utilisation and ready replicas) may still have its inputs.
-            rule_ok = not any(p.split(":")[1] in RULE_INPUTS for p in problems)
+            # The rules (HPA on utilisation and ready replicas; the predictive rule on requests
+            # in flight and its forecast) may still have their inputs.
+            kinds = {p.split(":")[1] for p in problems}
+            rule_ok = not kinds & set(RULE_INPUTS)
+            pred_ok = not kinds & set(PREDICTIVE_INPUTS)
             return Reading(t, None, util_now if rule_ok else None, ready_h[-1] if rule_ok else None,
-                           spec if rule_ok else None, problems, time.monotonic() - t0, fetch_s=fetch_s)
+                           spec if rule_ok else None, problems, time.monotonic() - t0, fetch_s=fetch_s,
+                           in_flight=in_flight if pred_ok else None, forecast=forecast if pred_ok else None)
 
         n_back = len(back_t)
         # Window-to-date late and offered requests at each of the last H ticks; the last closed window.
@@ -465,7 +486,21 @@ class TelemetryReader:
         if not (np.isfinite(macro).all() and np.isfinite(micro).all()):
             return Reading(t, None, None, None, None, ["not_finite:observation"], time.monotonic() - t0)
         return Reading(t, obs, util_now, ready_now, spec, problems, time.monotonic() - t0, in_flight=in_flight,
-                       fetch_s=fetch_s)
+                       fetch_s=fetch_s, forecast=forecast)
+
+    def _forecast(self, vec: dict, coarse: np.ndarray) -> np.ndarray:
+        """[K] the predictive rule's forecast (`baselines.seasonal_forecast`) from this reading:
+        a week back where Prometheus holds that week for every class, else a day back, else 0
+        (no past to forecast from, as in the simulator before a day of history)."""
+        blocks = max(1, int(round(LEVEL_WINDOW_S / self.cb)))
+        seen = coarse[-blocks:].mean(0)  # [K] requests per second over the last level window
+        for name in ("7d", "1d"):
+            peak, then = vec.get(f"fc_peak_{name}") or {}, vec.get(f"fc_then_{name}") or {}
+            if all(k in peak and k in then for k in range(self.K)):
+                p = np.array([peak[k] for k in range(self.K)], dtype=np.float64)
+                th = np.array([then[k] for k in range(self.K)], dtype=np.float64)
+                return np.asarray(seasonal_forecast(p, seen, th, True), dtype=np.float64)
+        return np.zeros(self.K)
 
 
 def ema(x: np.ndarray, alpha: float) -> np.ndarray:

@@ -40,8 +40,11 @@ def compare_sim(cfg, policy, ctl_cfg, seed: int, warm: int, n: int, live: list) 
     same cadence and HPA formula: the replica curve the live loop should follow."""
     from apex_bdq.control import Controller, hpa_desired, reading_from_sim
     from apex_bdq.replay_platform import ReplayPlatform
+    from apex_bdq.sim.baselines import Predictive
     q = ReplayPlatform(cfg, seed=seed)
     ctl = Controller(cfg, policy, ctl_cfg, classes=q.classes)
+    forecaster = Predictive()  # the forecast a live reading carries, from the simulator's own history
+    forecaster.reset(q.sim)
     for _ in range(warm):
         q.step()
     sync = max(1, int(round(ctl_cfg.sync_s / cfg.tick_s)))
@@ -49,7 +52,7 @@ def compare_sim(cfg, policy, ctl_cfg, seed: int, warm: int, n: int, live: list) 
     reps = q.sim.target[0].astype(np.int64)
     for i in range(n):
         if i % sync == 0:
-            d = ctl.decide(float(q.tick), reading_from_sim(q.sim, q.obs))
+            d = ctl.decide(float(q.tick), reading_from_sim(q.sim, q.obs, forecaster))
             reps = hpa_desired(q.sim.target[0], d.applied.astype(float))
             sim_curve.append(reps.tolist())
         _, info = q.step(actions=ctl.actions(), replicas=reps)

@@ -9,7 +9,8 @@ Reads a scaler's decision log (one JSON line per decision: `launch.scaler --log`
                monitored rate), fallback reason;
   report.json  per class and in all: replica-seconds of the rule and of the guarded policy
                (the implied cost ratio), the share of decisions each sits below `needed`
-               (the implied SLO risk), fallback shares by reason, guard moves;
+               (the implied SLO risk), fallback shares by reason, guard moves (the share
+               of decisions the guard's replica floor raised);
   report.png   per class the replica curves of both, and `needed`.
 """
 
@@ -40,6 +41,8 @@ def summarise(rows: list[dict]) -> dict:
 
     rule, learned, guarded, applied, needed = (col(k) for k in ("rule", "learned", "guarded", "applied", "needed"))
     both = np.isfinite(rule).all(1) & np.isfinite(guarded).all(1)
+    floor = col("floor")  # the guard's replica floor (the predictive rule at its floor margin); NaN: none
+    floored = both & np.isfinite(floor).all(1)
     reasons: dict = {}
     for r in rows:
         if r.get("fallback"):
@@ -55,6 +58,7 @@ def summarise(rows: list[dict]) -> dict:
             "rule_below_needed_share": float((rule[m, k] < needed[m, k]).mean()) if m.any() else None,
             "policy_below_needed_share": float((guarded[m, k] < needed[m, k]).mean()) if m.any() else None,
             "guard_moved_share": float((guarded[both, k] != learned[both, k]).mean()) if both.any() else None,
+            "floor_raised_share": float((learned[floored, k] < floor[floored, k]).mean()) if floored.any() else None,
         }
     rs = sum(v["rule_replica_s"] for v in per_class.values())
     ls = sum(v["policy_replica_s"] for v in per_class.values())
@@ -135,6 +139,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     r = s["cost_ratio_policy_over_rule"]
     print(f"{'all':10s} {('n/a' if r is None else f'{r:.3f}'):>22s} {pct(s['rule_below_needed_share']):>14s} "
           f"{pct(s['policy_below_needed_share']):>16s}")
+    raised = [v["floor_raised_share"] for v in s["per_class"].values()]
+    if any(x is not None for x in raised):
+        print("the guard's floor raised the learned replicas in " + " / ".join(pct(x) for x in raised)
+              + " of the class-decisions")
     print(f"fallbacks: {s['fallback_share'] or 'none'}; decision p50 / p99 "
           f"{s['decision_s_p50'] * 1e3:.1f} / {s['decision_s_p99'] * 1e3:.1f} ms")
     print(f"written: {Path(a.out or log.parent / 'report')}/report.csv, report.json, report.png")

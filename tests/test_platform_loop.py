@@ -211,8 +211,11 @@ def replay():
 @needs_prometheus
 @pytest.mark.slow
 def test_reader_builds_the_simulators_observation_from_prometheus(replay):
+    from apex_bdq.sim.baselines import Predictive
     p, loop = replay
     rd = TelemetryReader(telemetry_for(p, loop.url, stale_s=5), p.cfg)
+    forecaster = Predictive()
+    forecaster.reset(p.sim)
     try:
         first = rd.read(p.now)  # no live history yet: counters and gauges of the last minutes are missing
         assert not first.ok and any(x.startswith("missing:") for x in first.problems)
@@ -232,6 +235,11 @@ def test_reader_builds_the_simulators_observation_from_prometheus(replay):
             ma, mb = r.obs.micro[0], p.obs.micro[0]
             exact = [i for i, f in enumerate(MICRO_FEATURES_V2) if f != "p99_over_slo"]
             np.testing.assert_allclose(ma[..., exact], mb[..., exact], rtol=1e-4, atol=1e-4)
+            # The predictive rule's forecast from last week's series in Prometheus (rates over
+            # 60 s at 15-s steps) against the simulator's (the trace's rate tick by tick).
+            fc = forecaster.forecast(p.sim)[0]
+            assert fc.min() > 0
+            np.testing.assert_allclose(r.forecast, fc, rtol=0.05)
             p99 = MICRO_FEATURES_V2.index("p99_over_slo")
             assert np.median(np.abs(ma[..., p99] - mb[..., p99])) < 0.1  # interpolated within histogram buckets
             for _ in range(37):
@@ -409,3 +417,75 @@ def test_a_failed_query_still_leaves_the_rule_its_inputs(monkeypatch):
     c = Controller(CFG, random_policy(), ControlConfig(mode="control"), classes=p.classes)
     d = c.decide(0.0, reading)
     assert d.fallback == "timeout" and d.rule is not None and (d.applied == d.rule).all()
+
+
+def test_the_controllers_predictive_rule_is_the_simulators():
+    """rule "predictive": on the simulator's own readings (its forecast carried by the
+    reading) the controller's rule asks, sync by sync, for exactly the replicas the
+    simulator's predictive rule sets; bad settings are named."""
+    from apex_bdq.sim.baselines import Predictive
+    p = ReplayPlatform(CFG, seed=2)
+    sim_rule, forecaster = Predictive(), Predictive()
+    sim_rule.reset(p.sim)
+    forecaster.reset(p.sim)
+    c = Controller(CFG, random_policy(), ControlConfig(rule="predictive", max_replicas=10_000), classes=p.classes)
+    syncs = 0
+    for _ in range(900):
+        _, reps = sim_rule.act(p.sim, p.obs)
+        if p.sim.t % 15 == 0:
+            d = c.decide(float(p.sim.t), reading_from_sim(p.sim, p.obs, forecaster))
+            np.testing.assert_array_equal(d.rule, reps[0])
+            assert (d.applied == d.rule).all()  # shadow mode applies the rule
+            syncs += 1
+        p.step(replicas=reps[0])
+    assert syncs == 60 and forecaster.forecast(p.sim)[0].min() > 0  # a forecast from last week's history
+    # without the forecast the predictive rule has no inputs: the replicas in place are held
+    d = c.decide(1e4, reading_from_sim(p.sim, p.obs))
+    assert d.rule is None and d.fallback is None
+    for bad, msg in (({"rule": "vpa"}, "rule must be one of"), ({"rule_margin": 0}, "rule_margin"),
+                     ({"rule_margin": float("nan")}, "rule_margin")):
+        with pytest.raises(ControlError, match=msg):
+            ControlConfig(**bad)
+
+
+def test_the_policys_replica_floor_holds_behind_the_controller(tmp_path):
+    """The guard's replica floor (the predictive rule at `floor_margin`, as in evaluation)
+    bounds the learned replicas in the controller too, is counted, logged, and needs the
+    forecast: a reading without it falls back to the rule."""
+    from apex_bdq.guard import NF, Guard
+    from apex_bdq.sim.baselines import Predictive, predictive_replicas
+    K = CFG.num_classes
+    wide = Guard.build(GuardConfig(floor_margin=1.1), CFG, np.full(NF * K, -1e9), np.full(NF * K, 1e9))
+
+    class Lowest:  # the smallest plan factor and no hold: below what the rules ask for
+        guard = wide
+
+        def decide(self, macro, micro):
+            return np.zeros((1, CFG.num_branches), dtype=np.int64), None
+
+    p = ReplayPlatform(CFG, seed=3)
+    forecaster = Predictive()
+    forecaster.reset(p.sim)
+    for _ in range(200):
+        p.step()
+    r = reading_from_sim(p.sim, p.obs, forecaster)
+    log = tmp_path / "decisions.jsonl"
+    c = Controller(CFG, Lowest(), ControlConfig(mode="control", band_below=0.9, step_down_pct=100.0),
+                   classes=p.classes, log_path=str(log))
+    d = d0 = c.decide(0.0, r)
+    assert d.fallback is None and d.floor is not None
+    floor = predictive_replicas(r.in_flight[None] * c.mu[None], r.forecast[None], 1.1, c.sizing)[0]
+    np.testing.assert_array_equal(d.floor, floor)
+    assert (d.learned < d.floor).any() and (d.guarded >= d.floor).all()
+    assert c.counts["floor"] == int((d.learned < d.floor).sum()) > 0
+    assert 'apex_scaler_guarded_total{class="class0",kind="floor"}' in _exposition(c)
+    d = c.decide(15.0, reading_from_sim(p.sim, p.obs))  # no forecast: no floor to keep, so the rule
+    assert d.fallback == "missing" and d.learned is None and (d.applied == d.rule).all()
+    assert any("forecast" in x for x in d.problems)
+    c.close()
+    # the shadow report counts the class-decisions the floor raised (of those with a floor)
+    from launch.shadow_report import summarise
+    rows = read_log(log)
+    assert rows[0]["floor"] == floor.tolist() and rows[1]["floor"] is None
+    per = summarise(rows)[0]["per_class"]
+    assert [v["floor_raised_share"] for v in per.values()] == [float(x) for x in (d0.learned < floor)]

@@ -286,6 +286,26 @@ class RandomPolicy:
         return self.rng.integers(0, sim.n, size=(sim.S, sim.D)), None
 
 
+PREDICTIVE_PERIOD_S = 15.0  # the predictive rule's sync period (HPA's)
+LEVEL_WINDOW_S = 1800.0  # its level correction compares the arrivals of this window with the same window then
+
+
+def seasonal_forecast(past_peak: np.ndarray, seen: np.ndarray, then: np.ndarray, ok) -> np.ndarray:
+    """The predictive rule's forecast from its inputs (one definition for the simulator and a
+    live platform's telemetry): the peak rate over the horizon ahead at the same time a week
+    (or a day) back, times the level correction, the ratio of the arrival rate `seen` over the
+    last level window to the rate `then` over the same window of that past day, clipped to
+    [1/3, 3]; 0 where there is no such past (`ok` false)."""
+    level = np.clip(seen / np.maximum(then, 1e-9), 1.0 / 3.0, 3.0)
+    return np.where(ok, past_peak * level, 0.0)
+
+
+def predictive_replicas(now: np.ndarray, forecast: np.ndarray, margin, sizing) -> np.ndarray:
+    """One sync of the predictive rule: the replicas the queueing model sizes for the larger of
+    the rate of the moment and the forecast, times `margin` (before the scale-down hold)."""
+    return replicas_for(np.maximum(now, forecast) * margin, sizing)
+
+
 class Predictive:
     """A predictive autoscaler as platforms run it (AWS predictive scaling, Alibaba AHPA, the
     predictive-horizontal-pod-autoscaler project): a seasonal forecast of each class's
@@ -304,7 +324,7 @@ class Predictive:
     name = "predictive"
     needs_observation = False  # reads the monitored signals, not the observation
 
-    def __init__(self, margin: float = 1.2, period_s: float = 15.0, level_window_s: float = 1800.0,
+    def __init__(self, margin: float = 1.2, period_s: float = PREDICTIVE_PERIOD_S, level_window_s: float = LEVEL_WINDOW_S,
                  downscale_window_s: float = 300.0) -> None:
         _check_range(margin, 0.0, np.inf, "margin")
         self.margin_setting, self.period_s, self.level_s, self.window_s = margin, period_s, level_window_s, downscale_window_s
@@ -336,14 +356,12 @@ class Predictive:
         n = self.blocks * sim.cb
         lo = np.maximum(then_i - n, 0)
         then = (self.cum[then_i] - self.cum[lo]) / np.maximum(then_i - lo, 1)[:, None]  # [S, K]
-        level = np.clip(seen / np.maximum(then, 1e-9), 1.0 / 3.0, 3.0)
-        return np.where(ok[:, None], past_peak * level, 0.0)
+        return seasonal_forecast(past_peak, seen, then, ok[:, None])
 
     def act(self, sim, obs):
         if sim.t % self.period == 0:
             now = sim.monitored()["rate"].astype(np.float64)
-            rate = np.maximum(now, self.forecast(sim)) * self.margin
-            rec = replicas_for(rate, sim.sizing)
+            rec = predictive_replicas(now, self.forecast(sim), self.margin, sim.sizing)
             self.recs.append(rec)
             self.replicas = np.max(np.stack(self.recs), axis=0)  # scale down after the hold
         return self.actions, self.replicas
