@@ -46,7 +46,10 @@ def bench_scaler(decisions: int = 200, checkpoint: Optional[str] = None) -> dict
         source = "random weights (no checkpoint)"
     warm = 150
     p = ReplayPlatform(cfg, seed=0)
-    e2e, cached, query, policy_s, macro_err, micro_err = [], [], [], [], [], []
+    e2e, cached, query, policy_s, macro_err, micro_err, fc_err = [], [], [], [], [], [], []
+    from apex_bdq.sim.baselines import Predictive
+    forecaster = Predictive()  # the simulator's forecast, to compare the reader's with
+    forecaster.reset(p.sim)
     from apex_bdq.sim.platform_v2 import MICRO_FEATURES_V2, macro_names
     # coarse blocks that end before the replay: the trace's mean over the block (backfilled
     # history) vs the simulator's sample at its middle; excluded from the comparison
@@ -90,6 +93,8 @@ def bench_scaler(decisions: int = 200, checkpoint: Optional[str] = None) -> dict
                 before = (block_of >= 0) & (block_of < cfg.coarse_history - live_blocks)
                 macro_err.append(np.abs(ro.macro[0] - so.macro[0])[~(before | levels)])
                 micro_err.append(np.abs(ro.micro[0] - so.micro[0]).reshape(-1, so.micro.shape[-1]))
+                fc = forecaster.forecast(p.sim)[0]
+                fc_err.append(np.abs(last["r"].forecast - fc) / np.maximum(fc, 1e-9))
                 policy_s.append(d.decide_s - d.query_s)
                 t = time.perf_counter()
                 for r in reqs[1:]:
@@ -108,6 +113,8 @@ def bench_scaler(decisions: int = 200, checkpoint: Optional[str] = None) -> dict
             "reader_p99_over_slo_abs_err_median": float(np.median(ue[:, p99i])),
             "reader_p99_over_slo_abs_err_p99": float(np.percentile(ue[:, p99i], 99)), "policy": source, "classes": len(p.classes),
             "queries_per_decision": len(reader.queries(p.now)),
+            "reader_forecast_rel_err_median": float(np.median(fc_err)), "reader_forecast_rel_err_max": float(np.max(fc_err)),
+            "guard_floor_raised": int(ctl.counts["floor"]), "class_decisions": decisions * len(p.classes),
             "decision_ms_p50": _pct(e2e, 50), "decision_ms_p99": _pct(e2e, 99),
             "reading_ms_p50": _pct(query, 50), "reading_ms_p99": _pct(query, 99),
             "policy_guard_ms_p50": _pct(policy_s, 50), "policy_guard_ms_p99": _pct(policy_s, 99),
@@ -130,3 +137,6 @@ def print_scaler(r: dict) -> None:
           f"{r['reader_macro_abs_err_max']:.4f} (p99 {r['reader_macro_abs_err_p99']:.4f}); micro max "
           f"{r['reader_micro_abs_err_max_exact_features']:.2e} except p99/SLO from the histogram: median "
           f"{r['reader_p99_over_slo_abs_err_median']:.3f}, p99 {r['reader_p99_over_slo_abs_err_p99']:.3f}")
+    print(f"the predictive rule's forecast from Prometheus vs the simulator's: relative error median "
+          f"{r['reader_forecast_rel_err_median']:.2%}, max {r['reader_forecast_rel_err_max']:.2%}; the guard's floor "
+          f"raised {r['guard_floor_raised']} of {r['class_decisions']} class-decisions")
