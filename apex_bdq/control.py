@@ -212,8 +212,7 @@ class Controller:
         self.default = {"plan": d[:K].copy(), "hold": d[K:2 * K].copy(), "admission": int(d[-1])}
         self.levels = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in self.default.items()}
         self.hpa = HPA(target_utilisation=ctl.hpa_target_utilisation, period_s=ctl.sync_s)
-        self.pred_hold = max(1, int(round(self.hpa.window_s / ctl.sync_s)))  # the predictive rule's 300-s hold, in syncs
-        self.pred_recs: dict = {}  # margin -> deque of the predictive rule's recommendations at that margin
+        self.pred_recs: dict = {}  # margin -> [(t, replicas)] of the predictive rule's last 300 s at that margin
         self.hold: Optional[HoldWindow] = None
         self._hold_t: Optional[float] = None  # time of the hold window's last step
         self.applied: Optional[np.ndarray] = None
@@ -251,12 +250,11 @@ class Controller:
             return {}
         return {k: m for k, m in (("floor", cfg.floor_margin), ("ceiling", cfg.ceiling_margin)) if m}
 
-    def _predictive(self, reading, margins) -> dict:
+    def _predictive(self, reading, margins, t: float) -> dict:
         """{margin: [K] replicas} of the predictive rule at each margin on this reading (one
-        sync: `predictive_replicas`, then the highest of the last 300 s); {} when the reading
-        lacks its inputs (the monitored requests in flight and the forecast)."""
-        from collections import deque
-
+        sync: `predictive_replicas`, then the highest of those of the last 300 s, HPA's
+        scale-down window); {} when the reading lacks its inputs (the monitored requests in
+        flight and the forecast)."""
         from apex_bdq.sim.baselines import predictive_replicas
         if reading.in_flight is None or reading.forecast is None:
             return {}
@@ -266,9 +264,10 @@ class Controller:
             return {}
         out = {}
         for m in margins:
-            recs = self.pred_recs.setdefault(m, deque(maxlen=self.pred_hold))
-            recs.append(predictive_replicas(now[None], fc[None], m, self.sizing)[0].astype(np.int64))
-            out[m] = np.max(np.stack(recs), axis=0)
+            recs = [(tr, r) for tr, r in self.pred_recs.get(m, []) if t - tr < self.hpa.window_s - 1e-6]
+            recs.append((t, predictive_replicas(now[None], fc[None], m, self.sizing)[0].astype(np.int64)))
+            self.pred_recs[m] = recs
+            out[m] = np.max(np.stack([r for _, r in recs]), axis=0)
         return out
 
     def _learned(self, reading, t: float) -> tuple[Optional[np.ndarray], Optional[str], dict]:
@@ -279,9 +278,6 @@ class Controller:
         except Exception as e:  # noqa: BLE001 - a policy error falls back, it never stops the scaler
             return None, f"policy_error: {type(e).__name__}: {str(e)[:120]}", self.default
         a = np.asarray(actions)[0]
-        guard = getattr(self.policy, "guard", None)
-        if guard is not None and not bool(guard.inside(reading.obs.macro)[0]):
-            return None, "out_of_range", self.default
         levels = {"plan": a[:K].astype(np.int64), "hold": a[K:2 * K].astype(np.int64), "admission": int(a[-1])}
         rate = np.asarray(reading.in_flight, dtype=np.float64) * self.mu
         plan = replicas_for((rate * self.plan[levels["plan"]])[None], self.sizing).astype(np.int32)
@@ -306,7 +302,7 @@ class Controller:
         rule = None
         bounds = self._guard_margins()
         margins = set(bounds.values()) | ({ctl.rule_margin} if ctl.rule == "predictive" else set())
-        pred = self._predictive(reading, sorted(margins))
+        pred = self._predictive(reading, sorted(margins), t)
         if ctl.rule == "predictive":
             if ctl.rule_margin in pred:
                 rule = np.clip(pred[ctl.rule_margin], lo, hi)
@@ -321,6 +317,12 @@ class Controller:
             kinds = [p.split(":", 1)[0] for p in reading.problems] or ["missing"]
             fallback = next((k for k in FALLBACK_REASONS if k in kinds), kinds[0])
             levels = self.default
+        elif (guard := getattr(self.policy, "guard", None)) is not None and not bool(guard.inside(reading.obs.macro)[0]):
+            fallback, levels = "out_of_range", self.default
+        elif bounds and not all(m in pred for m in bounds.values()):
+            fallback, levels = "missing", self.default  # the policy's replica bounds need the forecast
+            reading.problems.append("missing:forecast: the guard's replica bounds need the predictive rule's forecast"
+                                    + "".join(f"; {p}" for p in reading.forecast_problems[:2]))
         else:
             learned, fallback, levels = self._learned(reading, t)
             if fallback is not None and fallback.startswith("policy_error"):
@@ -328,9 +330,6 @@ class Controller:
                 fallback = "policy_error"
         # 4. the guard: the policy's replica bounds (as in evaluation), then the band around the rule
         floor = None
-        if learned is not None and bounds and not all(bounds[k] in pred for k in bounds):
-            learned, fallback, levels = None, "missing", self.default  # the bounds need the forecast
-            reading.problems.append("missing:forecast: the guard's replica bounds need the predictive rule's forecast")
         if learned is not None:
             g = learned.copy()
             if "floor" in bounds:
@@ -375,10 +374,12 @@ class Controller:
         # a fallback); the admission level in force stays the platform's (KEDA sets replicas only).
         self.levels = {"plan": levels["plan"], "hold": levels["hold"], "admission": self.default["admission"]}
         needed = None
-        if reading.in_flight is not None and np.isfinite(reading.in_flight).all():
-            needed = replicas_for((np.maximum(reading.in_flight, 0.0) * self.mu)[None], self.sizing)[0]
+        # requests in flight count only on a reading with an observation (what scale to zero trusts)
+        in_flight = reading.in_flight if reading.obs is not None else None
+        if in_flight is not None and np.isfinite(in_flight).all():
+            needed = replicas_for((np.maximum(in_flight, 0.0) * self.mu)[None], self.sizing)[0]
         decide_s = time.perf_counter() - t_start + reading.query_s
-        d = Decision(needed=needed, in_flight=None if reading.in_flight is None else np.asarray(reading.in_flight),
+        d = Decision(needed=needed, in_flight=None if in_flight is None else np.asarray(in_flight),
                      t=float(t), mode=ctl.mode, applied=applied, rule=rule, learned=learned, guarded=guarded,
                      fallback=fallback, problems=list(reading.problems), levels=levels, query_s=reading.query_s,
                      decide_s=decide_s, floor=floor)

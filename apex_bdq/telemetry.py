@@ -46,10 +46,10 @@ DAY_S, WEEK_S = 86400, 7 * 86400
 SEASON_WINDOW_S = 60  # rate() window of the seasonal inputs, centred on the lead
 EMA_SPAN = 6  # monitored signals: an exponential average over EMA_SPAN x the lag of per-tick samples
 COUNTERS = ("busy", "requests", "late", "refused")  # queried raw per series, differenced per series
-RULE_INPUTS = ("busy", "ready_mon", "ready", "spec", "series_kube", "series_app", "kube", "app")
+RULE_INPUTS = ("busy", "ready_mon", "ready", "spec", "series_kube", "series_app", "kube", "app", "age_kube")
 # What the predictive rule reads: the monitored requests in flight (the rate of the moment)
 # and its forecast's inputs (the coarse history, the peak ahead and the level a day / week back).
-PREDICTIVE_INPUTS = ("in_flight", "coarse", "fc_peak_1d", "fc_then_1d", "fc_peak_7d", "fc_then_7d", "series_app", "app")
+PREDICTIVE_INPUTS = ("in_flight", "coarse", "series_app", "app", "age_app")
 
 
 class TelemetryError(ValueError):
@@ -152,6 +152,7 @@ class Reading:
     in_flight: Optional[np.ndarray] = None  # [K] monitored requests in flight (what the plan sizes for)
     fetch_s: float = 0.0  # of query_s: until every query had answered (the rest builds the features)
     forecast: Optional[np.ndarray] = None  # [K] the predictive rule's forecast peak rate (0: no past day)
+    forecast_problems: list = field(default_factory=list)  # why `forecast` is None (its own queries failed)
 
     @property
     def ok(self) -> bool:
@@ -251,7 +252,8 @@ class TelemetryReader:
         }
         half = SEASON_WINDOW_S // 2
         per, lw = int(PREDICTIVE_PERIOD_S), int(LEVEL_WINDOW_S)
-        hz = self.sim.delay_ticks * self.step + per  # the forecast's horizon: one provisioning delay and one sync
+        # the forecast's horizon, as the simulator's rule counts it: one provisioning delay and one sync
+        hz = (max(1, self.sim.delay_ticks) + max(1, int(round(PREDICTIVE_PERIOD_S / self.sim.tick_s)))) * self.step
         for name, off in (("1d", DAY_S), ("7d", WEEK_S)):
             # The peak of the rate (over SEASON_WINDOW_S, centred) over [t - off, t - off + hz],
             # and the mean rate over the level window ending at t - off.
@@ -380,6 +382,11 @@ class TelemetryReader:
                   fetch_s: float, failed: set) -> Reading:
         K, H, st, W = self.K, self.H, self.step, self.W
         sc = self.sc
+        # The forecast's own queries do not stop the observation: a failed one leaves the
+        # reading without the forecast (`forecast_problems`), and the policy still decides.
+        fc_failed = {n for n in failed if n.startswith("fc_")}
+        fc_problems = [p for p in problems if p.split(":")[1] in fc_failed]
+        problems = [p for p in problems if p.split(":")[1] not in fc_failed]
         vec = {n: (self._vector(res[n], qs[n][2]) if n in res else None)
                for n, (kind, *_rest) in qs.items() if kind == "q"}
         # Freshness first: a stale series would still answer from the lookback window.
@@ -439,7 +446,7 @@ class TelemetryReader:
                 rows.append([v.get(k, 0.0) for k in range(K)])
             ok[name] = float(present)
             season[name] = np.asarray(rows, dtype=np.float64)[None] * present  # [1, J, K]
-        forecast = self._forecast(vec, coarse)
+        forecast = None if fc_failed else self._forecast(vec, coarse)
         if problems:
             # The rules (HPA on utilisation and ready replicas; the predictive rule on requests
             # in flight and its forecast) may still have their inputs.
@@ -448,7 +455,8 @@ class TelemetryReader:
             pred_ok = not kinds & set(PREDICTIVE_INPUTS)
             return Reading(t, None, util_now if rule_ok else None, ready_h[-1] if rule_ok else None,
                            spec if rule_ok else None, problems, time.monotonic() - t0, fetch_s=fetch_s,
-                           in_flight=in_flight if pred_ok else None, forecast=forecast if pred_ok else None)
+                           in_flight=in_flight if pred_ok else None, forecast=forecast if pred_ok else None,
+                           forecast_problems=fc_problems)
 
         n_back = len(back_t)
         # Window-to-date late and offered requests at each of the last H ticks; the last closed window.
@@ -486,21 +494,23 @@ class TelemetryReader:
         if not (np.isfinite(macro).all() and np.isfinite(micro).all()):
             return Reading(t, None, None, None, None, ["not_finite:observation"], time.monotonic() - t0)
         return Reading(t, obs, util_now, ready_now, spec, problems, time.monotonic() - t0, in_flight=in_flight,
-                       fetch_s=fetch_s, forecast=forecast)
+                       fetch_s=fetch_s, forecast=forecast, forecast_problems=fc_problems)
 
     def _forecast(self, vec: dict, coarse: np.ndarray) -> np.ndarray:
-        """[K] the predictive rule's forecast (`baselines.seasonal_forecast`) from this reading:
-        a week back where Prometheus holds that week for every class, else a day back, else 0
-        (no past to forecast from, as in the simulator before a day of history)."""
+        """[K] the predictive rule's forecast (`baselines.seasonal_forecast`) from this reading,
+        per class: a week back where Prometheus holds that week for the class, else a day
+        back, else 0 (no past to forecast from: the rule is then reactive for that class, as
+        the simulator's is before a day of history)."""
         blocks = max(1, int(round(LEVEL_WINDOW_S / self.cb)))
-        seen = coarse[-blocks:].mean(0)  # [K] requests per second over the last level window
-        for name in ("7d", "1d"):
-            peak, then = vec.get(f"fc_peak_{name}") or {}, vec.get(f"fc_then_{name}") or {}
-            if all(k in peak and k in then for k in range(self.K)):
-                p = np.array([peak[k] for k in range(self.K)], dtype=np.float64)
-                th = np.array([then[k] for k in range(self.K)], dtype=np.float64)
-                return np.asarray(seasonal_forecast(p, seen, th, True), dtype=np.float64)
-        return np.zeros(self.K)
+        # [K] requests per second over the last level window (the newest blocks, as the simulator's ring reads them)
+        seen = coarse[(-1 - np.arange(blocks)) % len(coarse)].mean(0)
+        past_peak, then, ok = np.zeros(self.K), np.zeros(self.K), np.zeros(self.K, dtype=bool)
+        for name in ("1d", "7d"):  # a week back overrides a day back
+            peak, th = vec.get(f"fc_peak_{name}") or {}, vec.get(f"fc_then_{name}") or {}
+            for k in range(self.K):
+                if k in peak and k in th and math.isfinite(peak[k]) and math.isfinite(th[k]):
+                    past_peak[k], then[k], ok[k] = peak[k], th[k], True
+        return np.asarray(seasonal_forecast(past_peak, seen, then, ok), dtype=np.float64)
 
 
 def ema(x: np.ndarray, alpha: float) -> np.ndarray:

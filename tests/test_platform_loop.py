@@ -417,6 +417,38 @@ def test_a_failed_query_still_leaves_the_rule_its_inputs(monkeypatch):
     c = Controller(CFG, random_policy(), ControlConfig(mode="control"), classes=p.classes)
     d = c.decide(0.0, reading)
     assert d.fallback == "timeout" and d.rule is not None and (d.applied == d.rule).all()
+    # ... and the predictive rule its own (requests in flight, the forecast), but scale to
+    # zero does not trust a reading without an observation
+    assert reading.in_flight is not None and reading.forecast is not None
+    c = Controller(CFG, random_policy(), ControlConfig(mode="control", rule="predictive"), classes=p.classes)
+    d = c.decide(0.0, reading)
+    assert d.fallback == "timeout" and d.rule is not None and d.in_flight is None and not d.idle(0)
+    levels = {"plan": np.zeros(K, int), "hold": np.zeros(K, int), "admission": 0}
+
+    def assemble_failing(names):
+        res = {n: answer(n) for n in qs if n not in names}
+        return rd._assemble(t, qs, res, levels, [f"timeout:{n}: deadline" for n in names], 0.0, 0.0, set(names))
+    # A failed freshness query: the predictive rule's inputs are not trusted either.
+    r2 = assemble_failing({"age_app"})
+    assert r2.obs is None and r2.in_flight is None and r2.forecast is None
+    # A failed forecast query does not stop the observation: the policy decides, and only a
+    # policy whose guard needs the forecast (a replica floor) falls back, naming the query.
+    r3 = assemble_failing({"fc_peak_7d"})
+    assert r3.ok and r3.forecast is None and r3.forecast_problems[0].startswith("timeout:fc_peak_7d")
+    assert Controller(CFG, random_policy(), ControlConfig(mode="control"), classes=p.classes).decide(
+        0.0, r3).fallback is None
+    from apex_bdq.guard import NF, Guard
+    wide = Guard.build(GuardConfig(floor_margin=1.1), CFG, np.full(NF * K, -1e9), np.full(NF * K, 1e9))
+    d = Controller(CFG, random_policy(guard=wide), ControlConfig(mode="control"), classes=p.classes).decide(0.0, r3)
+    assert d.fallback == "missing" and d.learned is None and any("fc_peak_7d" in x for x in d.problems)
+    # Forecast per class: a week back where it is there, else a day back, else none (0).
+    res = {n: answer(n) for n in qs}
+    res["fc_peak_7d"] = {"result": [{"metric": {"class": p.classes[0]}, "value": [t, "5.0"]}]}
+    r4 = rd._assemble(t, qs, res, levels, [], 0.0, 0.0, set())
+    res["fc_peak_1d"] = {"result": []}
+    r5 = rd._assemble(t, qs, res, levels, [], 0.0, 0.0, set())
+    assert r4.ok and r4.forecast[0] == 5 * r4.forecast[1] > 0 and (r4.forecast[1:] == r4.forecast[1]).all()
+    assert r5.forecast[0] == r4.forecast[0] and (r5.forecast[1:] == 0).all()
 
 
 def test_the_controllers_predictive_rule_is_the_simulators():
@@ -476,6 +508,7 @@ def test_the_policys_replica_floor_holds_behind_the_controller(tmp_path):
     assert d.fallback is None and d.floor is not None
     floor = predictive_replicas(r.in_flight[None] * c.mu[None], r.forecast[None], 1.1, c.sizing)[0]
     np.testing.assert_array_equal(d.floor, floor)
+    # the floor comes first; the band (down to 10 % of HPA's) and the step limit (-100 %) here leave it be
     assert (d.learned < d.floor).any() and (d.guarded >= d.floor).all()
     assert c.counts["floor"] == int((d.learned < d.floor).sum()) > 0
     assert 'apex_scaler_guarded_total{class="class0",kind="floor"}' in _exposition(c)
