@@ -46,6 +46,7 @@ import numpy as np
 
 from apex_bdq.config import SimConfig
 from apex_bdq.features import Scales
+from apex_bdq.sim.baselines import predictive_replicas
 from apex_bdq.sizing import HoldWindow, SizingTable, replicas_for
 
 IDLE_IN_FLIGHT = 1e-3  # requests in flight (an exponential average) below which a class is idle
@@ -164,7 +165,8 @@ class Decision:
             return None if a is None else [int(x) for x in a]
         return {"t": self.t, "mode": self.mode, "classes": list(classes), "applied": lst(self.applied),
                 "rule": lst(self.rule), "learned": lst(self.learned), "guarded": lst(self.guarded),
-                "needed": lst(self.needed), "floor": lst(self.floor), "fallback": self.fallback, "problems": self.problems[:20],
+                "needed": lst(self.needed), "floor": lst(self.floor), "fallback": self.fallback,
+                "problems": self.problems[:20],
                 "levels": {k: (v if isinstance(v, int) else [int(x) for x in v]) for k, v in self.levels.items()},
                 "query_s": round(self.query_s, 6), "decide_s": round(self.decide_s, 6)}
 
@@ -255,7 +257,6 @@ class Controller:
         sync: `predictive_replicas`, then the highest of those of the last 300 s, HPA's
         scale-down window); {} when the reading lacks its inputs (the monitored requests in
         flight and the forecast)."""
-        from apex_bdq.sim.baselines import predictive_replicas
         if reading.in_flight is None or reading.forecast is None:
             return {}
         now = np.maximum(np.asarray(reading.in_flight, dtype=np.float64), 0.0) * self.mu

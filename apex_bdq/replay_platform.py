@@ -257,7 +257,8 @@ class ReplayPlatform:
         T0, T1 = self.T0, self.T0 + int(horizon_ticks)
         spans = [(T0 - back, T0)]
         for off in (DAY_S, WEEK_S):
-            spans.append((T0 - off - int(LEVEL_WINDOW_S) - 300, min(T1 - off + lead, T0)))  # + the forecast's level window
+            # from before the forecast's level window to the end of the span, with the leads
+            spans.append((T0 - off - int(LEVEL_WINDOW_S) - 300, min(T1 - off + lead, T0)))
         spans = sorted((a, b) for a, b in ((max(a, self.W0), b) for a, b in spans) if b > a)
         merged: list[list[int]] = []
         for a, b in spans:

@@ -16,7 +16,8 @@ metrics lag window read one lag late (metrics-server's resolution), the coarse h
 earlier (what `offset 1d` gives). Beside the observation each reading carries the predictive
 rule's forecast (`baselines.seasonal_forecast`: the peak rate over the next provisioning delay
 plus one sync a week back, else a day back, times the level correction over the last 30
-minutes), which the controller's predictive rule and the guard's replica floor size. Metric names and selectors are configurable per service
+minutes), which the controller's predictive rule and the guard's replica floor size. Metric
+names and selectors are configurable per service
 (`TelemetryConfig`).
 
 Nothing is guessed: a series that is missing for a class, older than `stale_s`, a query that
@@ -257,8 +258,8 @@ class TelemetryReader:
         for name, off in (("1d", DAY_S), ("7d", WEEK_S)):
             # The peak of the rate (over SEASON_WINDOW_S, centred) over [t - off, t - off + hz],
             # and the mean rate over the level window ending at t - off.
-            q[f"fc_peak_{name}"] = ("q", f"max_over_time((sum by ({c}) (rate({self._sel(m.requests)}[{SEASON_WINDOW_S}s])))"
-                                         f"[{hz}s:{per}s] offset {off - hz - half}s)", False, inst)
+            rate = f"sum by ({c}) (rate({self._sel(m.requests)}[{SEASON_WINDOW_S}s]))"
+            q[f"fc_peak_{name}"] = ("q", f"max_over_time(({rate})[{hz}s:{per}s] offset {off - hz - half}s)", False, inst)
             q[f"fc_then_{name}"] = ("q", f"sum by ({c}) (increase({self._sel(m.requests)}[{lw}s] offset {off}s)) / {lw}",
                                     False, inst)
             for j, lead in enumerate(self.sim.seasonal_leads_s):

@@ -324,7 +324,8 @@ class Predictive:
     name = "predictive"
     needs_observation = False  # reads the monitored signals, not the observation
 
-    def __init__(self, margin: float = 1.2, period_s: float = PREDICTIVE_PERIOD_S, level_window_s: float = LEVEL_WINDOW_S,
+    def __init__(self, margin: float = 1.2, period_s: float = PREDICTIVE_PERIOD_S,
+                 level_window_s: float = LEVEL_WINDOW_S,
                  downscale_window_s: float = 300.0) -> None:
         _check_range(margin, 0.0, np.inf, "margin")
         self.margin_setting, self.period_s, self.level_s, self.window_s = margin, period_s, level_window_s, downscale_window_s
