@@ -626,6 +626,10 @@ class GuardConfig:
     step of its sweep below its default 1.2); 0: no floor."""
     ceiling_margin: float = 0.0
     """... and at most the replicas it asks for at this margin; 0: no ceiling."""
+    static_ceiling: float = 0.75
+    """Each class keeps at most the replicas static provisioning asks for at this target
+    utilisation: the per-class peak offered load of the training days (the platform's past,
+    in serving) over it; 0: no such ceiling. A ceiling wins over the floor."""
 
     def __post_init__(self) -> None:
         _check(self.plan_below >= 0 and self.plan_above >= 0,
@@ -636,6 +640,9 @@ class GuardConfig:
             v = getattr(self, name)
             _check(not isinstance(v, bool) and isinstance(v, numbers.Real) and math.isfinite(v) and v >= 0,
                    f"guard.{name} must be a number >= 0 (0: off), got {v!r}")
+        v = self.static_ceiling
+        _check(not isinstance(v, bool) and isinstance(v, numbers.Real) and math.isfinite(v) and 0 <= v <= 1,
+               f"guard.static_ceiling must be a target utilisation in (0, 1] (0: off), got {v!r}")
         _check(not (self.floor_margin and self.ceiling_margin) or self.ceiling_margin >= self.floor_margin,
                f"guard.ceiling_margin ({self.ceiling_margin!r}) must not be below guard.floor_margin "
                f"({self.floor_margin!r})")

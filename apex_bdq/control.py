@@ -14,8 +14,9 @@ Every `sync_s` (HPA's sync period, 15 s) `Controller.decide(t)`
      ask for — the plan (`sizing.replicas_for` of the monitored rate x the plan factor) held
      by `sizing.HoldWindow` over 15-s blocks: one definition, shared with the simulator;
   4. guards it: first the policy's own replica bounds (its `GuardConfig`: at least the
-     predictive rule's replicas at `floor_margin`, at most at `ceiling_margin`, as in
-     evaluation; a reading without the forecast then falls back), then within
+     predictive rule's replicas at `floor_margin`, at most at `ceiling_margin`, and at most
+     static provisioning's for the past week's peak 5-min rate at `static_ceiling`, as in
+     evaluation; a reading without the forecast or the peak then falls back), then within
      [rule x (1 - band_below), rule x (1 + band_above)], at most
      max(step_up_pods, step_up_pct %) more and step_down_pct % fewer replicas than now per
      decision, within [min_replicas, max_replicas];
@@ -155,6 +156,7 @@ class Decision:
     needed: Optional[np.ndarray] = None  # [K] fewest replicas meeting the SLO at the monitored rate (the queueing model)
     in_flight: Optional[np.ndarray] = None  # [K] monitored requests in flight (None: not read)
     floor: Optional[np.ndarray] = None  # [K] the policy guard's replica floor (None: no floor)
+    ceiling: Optional[np.ndarray] = None  # [K] its replica ceiling (None: none; int64 max: none for a class)
 
     def idle(self, k: int) -> bool:
         """Class k has no requests in flight (what scale to zero waits for); unknown: not idle."""
@@ -165,7 +167,8 @@ class Decision:
             return None if a is None else [int(x) for x in a]
         return {"t": self.t, "mode": self.mode, "classes": list(classes), "applied": lst(self.applied),
                 "rule": lst(self.rule), "learned": lst(self.learned), "guarded": lst(self.guarded),
-                "needed": lst(self.needed), "floor": lst(self.floor), "fallback": self.fallback,
+                "needed": lst(self.needed), "floor": lst(self.floor), "ceiling": lst(self.ceiling),
+                "fallback": self.fallback,
                 "problems": self.problems[:20],
                 "levels": {k: (v if isinstance(v, int) else [int(x) for x in v]) for k, v in self.levels.items()},
                 "query_s": round(self.query_s, 6), "decide_s": round(self.decide_s, 6)}
@@ -183,7 +186,8 @@ def reading_from_sim(sim, obs, predictive=None):
                    utilisation=mon["utilisation"][0].astype(np.float64), ready=sim.active[0].astype(np.float64),
                    spec=sim.target[0].astype(np.float64), problems=[], query_s=0.0,
                    in_flight=mon["load"][0].astype(np.float64),
-                   forecast=None if predictive is None else predictive.forecast(sim)[0].astype(np.float64))
+                   forecast=None if predictive is None else predictive.forecast(sim)[0].astype(np.float64),
+                   peak=sim.lam_table[slice(*sim.rates.train)].max(0).astype(np.float64))
 
 
 class Controller:
@@ -251,6 +255,11 @@ class Controller:
         if cfg is None:
             return {}
         return {k: m for k, m in (("floor", cfg.floor_margin), ("ceiling", cfg.ceiling_margin)) if m}
+
+    def _static_u(self) -> float:
+        """The policy guard's static ceiling (a target utilisation; 0: none)."""
+        cfg = getattr(getattr(self.policy, "guard", None), "cfg", None)
+        return float(getattr(cfg, "static_ceiling", 0.0) or 0.0)
 
     def _predictive(self, reading, margins, t: float) -> dict:
         """{margin: [K] replicas} of the predictive rule at each margin on this reading (one
@@ -324,13 +333,17 @@ class Controller:
             fallback, levels = "missing", self.default  # the policy's replica bounds need the forecast
             reading.problems.append("missing:forecast: the guard's replica bounds need the predictive rule's forecast"
                                     + "".join(f"; {p}" for p in reading.forecast_problems[:2]))
+        elif self._static_u() and reading.peak is None:
+            fallback, levels = "missing", self.default  # the static ceiling needs the past's peak
+            reading.problems.append("missing:peak: the guard's static ceiling needs each class's peak rate"
+                                    + "".join(f"; {p}" for p in reading.forecast_problems[:2]))
         else:
             learned, fallback, levels = self._learned(reading, t)
             if fallback is not None and fallback.startswith("policy_error"):
                 reading.problems.append(fallback)
                 fallback = "policy_error"
         # 4. the guard: the policy's replica bounds (as in evaluation), then the band around the rule
-        floor = None
+        floor = ceiling = None
         if learned is not None:
             g = learned.copy()
             if "floor" in bounds:
@@ -339,7 +352,16 @@ class Controller:
                 self._count("floor", raised != g)
                 g = raised
             if "ceiling" in bounds:
-                capped = np.minimum(g, pred[bounds["ceiling"]])
+                ceiling = pred[bounds["ceiling"]]
+                capped = np.minimum(g, ceiling)
+                self._count("ceiling", capped != g)
+                g = capped
+            if self._static_u():  # static provisioning for the past's peak, as StaticPeak sizes it
+                peak = np.asarray(reading.peak, dtype=np.float64)
+                cap = np.where(np.isfinite(peak), np.ceil(np.maximum(peak, 0.0) / self.mu / self._static_u()),
+                               np.iinfo(np.int64).max)
+                ceiling = (cap if ceiling is None else np.minimum(ceiling, cap)).astype(np.int64)
+                capped = np.minimum(g, cap).astype(np.int64)
                 self._count("ceiling", capped != g)
                 g = capped
             ref = rule if rule is not None else current
@@ -383,7 +405,7 @@ class Controller:
         d = Decision(needed=needed, in_flight=None if in_flight is None else np.asarray(in_flight),
                      t=float(t), mode=ctl.mode, applied=applied, rule=rule, learned=learned, guarded=guarded,
                      fallback=fallback, problems=list(reading.problems), levels=levels, query_s=reading.query_s,
-                     decide_s=decide_s, floor=floor)
+                     decide_s=decide_s, floor=floor, ceiling=ceiling)
         self.last = d
         self.counts["decisions"] += 1
         m.decisions.labels(ctl.mode).inc()

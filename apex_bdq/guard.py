@@ -11,8 +11,12 @@ admission level). The guard
   2. where replicas are computed (the simulator; the KEDA controller, `apex_bdq.control`,
      with the forecast from Prometheus' series a week back), bounds the replicas the learned
      sub-actions ask for by the best rule's: per class at least what the predictive rule asks
-     for at margin `floor_margin` (and at most at `ceiling_margin`, when set). Serve answers
-     sub-actions and sizes no replicas, so behind it only part 1 runs;
+     for at margin `floor_margin` (and at most at `ceiling_margin`, when set), and at most
+     what static provisioning asks for at target utilisation `static_ceiling` (the training
+     days' per-class peak load over it: the best rule on smooth series, where every
+     rate-following decision pays the noise of measuring the rate from arrivals; a ceiling
+     wins over the floor). Serve answers sub-actions and sizes no replicas, so behind it only
+     part 1 runs;
   3. falls back to the rules for a shard whose observation lies outside what training
      covered: the default setting's sub-actions and, where replicas are computed, the
      predictive rule's replicas at its own margin. Outside means its load shape (per class the
@@ -213,7 +217,8 @@ class GuardedPolicy:
     shards that did not fall back, how often the best rule's replicas raised (the floor) or
     lowered (the ceiling) the learned target. The replica bounds come from the predictive
     rule run beside the policy on the simulator (`Predictive` at the guard's margins, one
-    instance per distinct margin; at its own default margin on a shard that fell back) and
+    instance per distinct margin; at its own default margin on a shard that fell back) and,
+    with `static_ceiling`, static provisioning's replicas (`StaticPeak`) as a ceiling; they
     reach the simulator as `CapacityBounds`."""
 
     def __init__(self, inner, guard: Guard) -> None:
@@ -235,6 +240,12 @@ class GuardedPolicy:
         self.rules = {m: Predictive(margin=m) for m in set(self.roles.values())}
         for rule in self.rules.values():
             rule.reset(sim)
+        self.static = None  # [S, K] static provisioning's replicas (the training days' peak / utilisation)
+        if g.static_ceiling:
+            from apex_bdq.sim.baselines import StaticPeak
+            rule = StaticPeak(target_utilisation=g.static_ceiling)
+            rule.reset(sim)
+            self.static = np.broadcast_to(rule.servers, (sim.S, sim.K))
 
     def act(self, sim, obs):
         from apex_bdq.sim.provisioning import CapacityBounds
@@ -256,6 +267,8 @@ class GuardedPolicy:
         by_margin = {m: rule.act(sim, obs)[1] for m, rule in self.rules.items()}
         reps = {role: by_margin[m] for role, m in self.roles.items()}
         lo, hi = reps.get("floor"), reps.get("ceiling")
+        if self.static is not None:
+            hi = self.static if hi is None else np.minimum(hi, self.static)
         if self.back.any():  # a shard outside training's coverage gets the best rule's replicas
             rule, back = reps["fallback"], self.back[:, None]
             lo = np.where(back, rule, 0 if lo is None else lo)
@@ -276,4 +289,6 @@ def describe_shares(m: dict) -> str:
             f"{100 * m['guard_fallback_share']:.2f} % fell back to the rules")
     if m.get("guard_floor_raised_share") is not None:
         line += f"; the predictive rule's floor raised {100 * m['guard_floor_raised_share']:.1f} % of the pools' targets"
+    if m.get("guard_ceiling_lowered_share"):
+        line += f", its ceiling lowered {100 * m['guard_ceiling_lowered_share']:.1f} %"
     return line

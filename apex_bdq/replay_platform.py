@@ -23,7 +23,8 @@ The clock starts 45 minutes before the wall clock (Prometheus takes samples with
 before its newest one); `clock_offset_s` maps it onto the trace's time of day and week (the
 reader's time zone setting); `backfill` writes the trace's history before T0 (the last
 `coarse_history` blocks, a day and a week ago around the replayed span and the predictive
-rule's 30-minute level window before it) as OpenMetrics and
+rule's 30-minute level window before it, one sample a second; the rest of the week one a
+minute) as OpenMetrics and
 turns it into TSDB blocks with `promtool tsdb create-blocks-from openmetrics`, so the reader
 sees a platform with history from the first tick. `PrometheusServer` runs Debian's
 `prometheus` binary (or $APEX_BDQ_PROMETHEUS) on loopback with that data.
@@ -269,27 +270,30 @@ class ReplayPlatform:
         return [(a, b) for a, b in merged]
 
     def backfill(self, data_dir: str | Path, horizon_ticks: int, labels: Optional[dict] = None) -> int:
-        """Write the trace's request history before T0 (expected arrivals, one sample a
-        second) as TSDB blocks under `data_dir` (promtool); returns the samples written.
-        The live counter continues from the history's last value. labels: the target labels
-        Prometheus adds to the live samples (job, instance), so history and live samples are
-        one series."""
+        """Write the trace's request history before T0 (expected arrivals) as TSDB blocks under
+        `data_dir` (promtool); returns the samples written: one a second over the ranges the
+        reader's features look into (`history_ranges`), one a minute over the rest of the week
+        before T0 (what the guard's static ceiling reads its peak 5-min rate from). The live
+        counter continues from the history's last value. labels: the target labels Prometheus
+        adds to the live samples (job, instance), so history and live samples are one series."""
         _, promtool = prometheus_binaries()
         data_dir = Path(data_dir)
         data_dir.mkdir(parents=True, exist_ok=True)
         lam = self.rates.rates
-        total = np.zeros(self.K)
         extra = "".join(f',{k}="{v}"' for k, v in sorted((labels or {}).items()))
+        fine = self.history_ranges(horizon_ticks)
+        lo = max(self.W0, min([self.T0 - WEEK_S - 600] + [a for a, _ in fine]))
+        cum = np.cumsum(lam[lo - self.W0:self.T0 - self.W0].astype(np.float64), axis=0)  # arrivals up to each second
+        times = set(range(lo + (-lo) % 60, self.T0, 60))
+        for a, b in fine:
+            times.update(range(a, b))
         lines = ["# TYPE apex_requests counter"]
-        n = 0
-        for a, b in self.history_ranges(horizon_ticks):
-            i0, i1 = a - self.W0, b - self.W0
-            cum = np.cumsum(lam[i0:i1].astype(np.float64), axis=0) + total  # [n, K] arrivals up to each tick
-            for j, T in enumerate(range(a, b)):
-                for k, name in enumerate(self.classes):
-                    lines.append(f'apex_requests_total{{service="{self.service}",class="{name}"{extra}}} {float(cum[j, k])!r} {T}')
-            n += (i1 - i0) * self.K
-            total = cum[-1]
+        for T in sorted(times):
+            for k, name in enumerate(self.classes):
+                lines.append(f'apex_requests_total{{service="{self.service}",class="{name}"{extra}}} '
+                             f'{float(cum[T - lo, k])!r} {T}')
+        n = len(times) * self.K
+        total = cum[-1] if len(cum) else np.zeros(self.K)
         lines.append("# EOF")
         src = data_dir / "history.om"
         src.write_text("\n".join(lines) + "\n")

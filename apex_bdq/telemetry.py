@@ -45,6 +45,7 @@ from apex_bdq.sim.platform import Observation
 
 DAY_S, WEEK_S = 86400, 7 * 86400
 SEASON_WINDOW_S = 60  # rate() window of the seasonal inputs, centred on the lead
+PEAK_RATE_S = 300  # rate() window and step of the static ceiling's peak (the traces' 5-min resolution)
 EMA_SPAN = 6  # monitored signals: an exponential average over EMA_SPAN x the lag of per-tick samples
 COUNTERS = ("busy", "requests", "late", "refused")  # queried raw per series, differenced per series
 RULE_INPUTS = ("busy", "ready_mon", "ready", "spec", "series_kube", "series_app", "kube", "app", "age_kube")
@@ -98,6 +99,9 @@ class TelemetryConfig:
     stale_s: float = 60.0
     timeout_s: float = 2.0
     workers: int = 6
+    peak_window_s: float = 7 * 86400.0
+    """The past the guard's static ceiling reads each class's peak 5-min rate over (the
+    simulator's reads the training days)."""
     p99_window_s: Optional[int] = None
     """Window of the per-tick latency histogram's increase() (default: one tick, which holds
     two samples under Prometheus 2's closed ranges when it scrapes once a tick; Prometheus 3
@@ -111,7 +115,7 @@ class TelemetryConfig:
                                  f"entry per class")
         if len(set(self.classes)) != len(self.classes) or len(set(self.deployments)) != len(self.deployments):
             raise TelemetryError("class and deployment names must be unique")
-        for name in ("stale_s", "timeout_s"):
+        for name in ("stale_s", "timeout_s", "peak_window_s"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 raise TelemetryError(f"telemetry {name} must be > 0, got {v!r}")
@@ -153,7 +157,8 @@ class Reading:
     in_flight: Optional[np.ndarray] = None  # [K] monitored requests in flight (what the plan sizes for)
     fetch_s: float = 0.0  # of query_s: until every query had answered (the rest builds the features)
     forecast: Optional[np.ndarray] = None  # [K] the predictive rule's forecast peak rate (0: no past day)
-    forecast_problems: list = field(default_factory=list)  # why `forecast` is None (its own queries failed)
+    forecast_problems: list = field(default_factory=list)  # why `forecast` / `peak` is None (their queries failed)
+    peak: Optional[np.ndarray] = None  # [K] each class's highest 5-min rate over peak_window_s (NaN: no series)
 
     @property
     def ok(self) -> bool:
@@ -253,6 +258,9 @@ class TelemetryReader:
         }
         half = SEASON_WINDOW_S // 2
         per, lw = int(PREDICTIVE_PERIOD_S), int(LEVEL_WINDOW_S)
+        # static provisioning's peak (the guard's static ceiling): the highest 5-min rate of the past window
+        q["fc_history_peak"] = ("q", f"max_over_time((sum by ({c}) (rate({self._sel(m.requests)}[{PEAK_RATE_S}s])))"
+                                     f"[{int(self.tel.peak_window_s)}s:{PEAK_RATE_S}s])", False, inst)
         # the forecast's horizon, as the simulator's rule counts it: one provisioning delay and one sync
         hz = (max(1, self.sim.delay_ticks) + max(1, int(round(PREDICTIVE_PERIOD_S / self.sim.tick_s)))) * self.step
         for name, off in (("1d", DAY_S), ("7d", WEEK_S)):
@@ -447,7 +455,9 @@ class TelemetryReader:
                 rows.append([v.get(k, 0.0) for k in range(K)])
             ok[name] = float(present)
             season[name] = np.asarray(rows, dtype=np.float64)[None] * present  # [1, J, K]
-        forecast = None if fc_failed else self._forecast(vec, coarse)
+        forecast = None if fc_failed - {"fc_history_peak"} else self._forecast(vec, coarse)
+        hp = vec.get("fc_history_peak")
+        peak = None if hp is None else np.array([hp.get(k, np.nan) for k in range(K)], dtype=np.float64)
         if problems:
             # The rules (HPA on utilisation and ready replicas; the predictive rule on requests
             # in flight and its forecast) may still have their inputs.
@@ -457,7 +467,7 @@ class TelemetryReader:
             return Reading(t, None, util_now if rule_ok else None, ready_h[-1] if rule_ok else None,
                            spec if rule_ok else None, problems, time.monotonic() - t0, fetch_s=fetch_s,
                            in_flight=in_flight if pred_ok else None, forecast=forecast if pred_ok else None,
-                           forecast_problems=fc_problems)
+                           forecast_problems=fc_problems, peak=peak)
 
         n_back = len(back_t)
         # Window-to-date late and offered requests at each of the last H ticks; the last closed window.
@@ -495,7 +505,7 @@ class TelemetryReader:
         if not (np.isfinite(macro).all() and np.isfinite(micro).all()):
             return Reading(t, None, None, None, None, ["not_finite:observation"], time.monotonic() - t0)
         return Reading(t, obs, util_now, ready_now, spec, problems, time.monotonic() - t0, in_flight=in_flight,
-                       fetch_s=fetch_s, forecast=forecast, forecast_problems=fc_problems)
+                       fetch_s=fetch_s, forecast=forecast, forecast_problems=fc_problems, peak=peak)
 
     def _forecast(self, vec: dict, coarse: np.ndarray) -> np.ndarray:
         """[K] the predictive rule's forecast (`baselines.seasonal_forecast`) from this reading,

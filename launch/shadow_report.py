@@ -10,7 +10,7 @@ Reads a scaler's decision log (one JSON line per decision: `launch.scaler --log`
   report.json  per class and in all: replica-seconds of the rule and of the guarded policy
                (the implied cost ratio), the share of decisions each sits below `needed`
                (the implied SLO risk), fallback shares by reason, guard moves (the share
-               of decisions the guard's replica floor raised);
+               of decisions the guard's replica floor raised, its ceiling lowered);
   report.png   per class the replica curves of both, and `needed`.
 """
 
@@ -43,6 +43,8 @@ def summarise(rows: list[dict]) -> dict:
     both = np.isfinite(rule).all(1) & np.isfinite(guarded).all(1)
     floor = col("floor")  # the guard's replica floor (the predictive rule at its floor margin); NaN: none
     floored = both & np.isfinite(floor).all(1)
+    ceiling = col("ceiling")  # its replica ceiling (static provisioning's, the predictive rule's); NaN: none
+    capped = both & np.isfinite(ceiling).all(1)
     reasons: dict = {}
     for r in rows:
         if r.get("fallback"):
@@ -59,6 +61,7 @@ def summarise(rows: list[dict]) -> dict:
             "policy_below_needed_share": float((guarded[m, k] < needed[m, k]).mean()) if m.any() else None,
             "guard_moved_share": float((guarded[both, k] != learned[both, k]).mean()) if both.any() else None,
             "floor_raised_share": float((learned[floored, k] < floor[floored, k]).mean()) if floored.any() else None,
+            "ceiling_lowered_share": float((learned[capped, k] > ceiling[capped, k]).mean()) if capped.any() else None,
         }
     rs = sum(v["rule_replica_s"] for v in per_class.values())
     ls = sum(v["policy_replica_s"] for v in per_class.values())
@@ -143,6 +146,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if any(x is not None for x in raised):
         print("the guard's floor raised the learned replicas in " + " / ".join(pct(x) for x in raised)
               + " of the class-decisions")
+    lowered = [v["ceiling_lowered_share"] for v in s["per_class"].values()]
+    if any(x is not None for x in lowered):
+        print("its ceiling lowered them in " + " / ".join(pct(x) for x in lowered) + " of the class-decisions")
     print(f"fallbacks: {s['fallback_share'] or 'none'}; decision p50 / p99 "
           f"{s['decision_s_p50'] * 1e3:.1f} / {s['decision_s_p99'] * 1e3:.1f} ms")
     print(f"written: {Path(a.out or log.parent / 'report')}/report.csv, report.json, report.png")

@@ -9,8 +9,8 @@ import torch
 
 from apex_bdq.config import AugmentConfig, ConfigError, GuardConfig, SimConfig, TraceConfig, apply_overrides
 from apex_bdq.evaluation import evaluate_learned, evaluate_policy
-from apex_bdq.guard import (FEATURES, NF, Guard, GuardedPolicy, _layout, coverage, guard_for, load_shape,
-                            measure_coverage)
+from apex_bdq.guard import (FEATURES, NF, Guard, GuardedPolicy, _layout, coverage, describe_shares, guard_for,
+                            load_shape, measure_coverage)
 from apex_bdq.networks import BDQNetwork
 from apex_bdq.presets import PRESETS
 from apex_bdq.sim import make_sim
@@ -120,8 +120,9 @@ def test_the_best_rules_replicas_bound_the_learned_ones():
     net = BDQNetwork(cfg.net)
     from apex_bdq.checkpoint import GreedyPolicy
 
-    def run(**kw):
-        pol = GuardedPolicy(GreedyPolicy(net, cfg.agent.decision_ticks), Guard.build(GuardConfig(**kw), cfg.sim, *WIDE))
+    def run(**kw):  # the predictive rule's bounds alone (no static ceiling)
+        pol = GuardedPolicy(GreedyPolicy(net, cfg.agent.decision_ticks),
+                            Guard.build(GuardConfig(static_ceiling=0.0, **kw), cfg.sim, *WIDE))
         return evaluate_policy(pol, cfg.sim, shards=2, ticks=300).metrics, pol.shares()
 
     def rule(margin):
@@ -140,11 +141,41 @@ def test_the_best_rules_replicas_bound_the_learned_ones():
             return super().act(sim, obs)[0], None
 
     bare = evaluate_policy(SubActionsOnly(GreedyPolicy(net, cfg.agent.decision_ticks),
-                                          Guard.build(GuardConfig(), cfg.sim, *WIDE)),
+                                          Guard.build(GuardConfig(static_ceiling=0.0), cfg.sim, *WIDE)),
                            cfg.sim, shards=2, ticks=300).metrics
     assert s["guard_floor_raised_share"] == 0.0 and free["cost"] == bare["cost"] < high["cost"]
     with pytest.raises(ConfigError, match="guard.ceiling_margin"):
         GuardConfig(floor_margin=1.2, ceiling_margin=1.1)
+
+
+def test_static_provisionings_replicas_cap_the_learned_ones():
+    """`static_ceiling`: each class keeps at most the replicas static provisioning asks for
+    (the training days' per-class peak over the utilisation), and the ceiling wins over the
+    floor: under a floor far above it the guarded policy is the static rule, tick for tick; a
+    ceiling is counted in `guard_ceiling_lowered_share`; bad values are named."""
+    torch.manual_seed(0)
+    cfg = PRESETS["smoke"]
+    net = BDQNetwork(cfg.net)
+    from apex_bdq.checkpoint import GreedyPolicy
+    from apex_bdq.sim.baselines import StaticPeak
+
+    def run(**kw):
+        pol = GuardedPolicy(GreedyPolicy(net, cfg.agent.decision_ticks), Guard.build(GuardConfig(**kw), cfg.sim, *WIDE))
+        return evaluate_policy(pol, cfg.sim, shards=2, ticks=300).metrics, pol.shares()
+
+    static = evaluate_policy(StaticPeak(target_utilisation=0.9), cfg.sim, shards=2, ticks=300).metrics
+    pinned, s = run(floor_margin=50.0, static_ceiling=0.9)
+    assert pinned["cost"] == static["cost"] and pinned["slo_violation_rate"] == static["slo_violation_rate"]
+    # against the branches' own targets: raised where they asked for less, lowered where for more
+    assert s["guard_ceiling_lowered_share"] > 0 and s["guard_floor_raised_share"] + s["guard_ceiling_lowered_share"] > 0.9
+    low, s = run(floor_margin=0.0, static_ceiling=1.0)
+    free, s0 = run(floor_margin=0.0, static_ceiling=0.0)
+    assert s["guard_ceiling_lowered_share"] > 0 and s0["guard_ceiling_lowered_share"] == 0.0
+    assert low["cost"] < free["cost"]  # the untouched policy asked for more than the peak in places
+    assert "its ceiling lowered" in describe_shares(s) and "ceiling" not in describe_shares(s0)
+    for bad in (1.5, -0.1, True, float("nan"), "0.8"):
+        with pytest.raises(ConfigError, match="guard.static_ceiling"):
+            GuardConfig(static_ceiling=bad)
 
 
 def test_coverage_spans_the_training_days_and_evaluate_learned_runs_under_the_guard(step_trace, monkeypatch):

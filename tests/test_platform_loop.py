@@ -7,6 +7,7 @@ by a real gRPC client built from the same .proto.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -240,6 +241,11 @@ def test_reader_builds_the_simulators_observation_from_prometheus(replay):
             fc = forecaster.forecast(p.sim)[0]
             assert fc.min() > 0
             np.testing.assert_allclose(r.forecast, fc, rtol=0.05)
+            # The static ceiling's peak: the highest 5-min rate of the past week (backfilled a
+            # sample a minute) against the trace's 5-min means.
+            a = max(p.W0, p.now - 7 * 86400)
+            c = np.cumsum(p.rates.rates[a - p.W0:p.now - p.W0].astype(np.float64), axis=0)
+            np.testing.assert_allclose(r.peak, ((c[300:] - c[:-300]) / 300).max(0), rtol=0.05)
             p99 = MICRO_FEATURES_V2.index("p99_over_slo")
             assert np.median(np.abs(ma[..., p99] - mb[..., p99])) < 0.1  # interpolated within histogram buckets
             for _ in range(37):
@@ -449,6 +455,21 @@ def test_a_failed_query_still_leaves_the_rule_its_inputs(monkeypatch):
     r5 = rd._assemble(t, qs, res, levels, [], 0.0, 0.0, set())
     assert r4.ok and r4.forecast[0] == 5 * r4.forecast[1] > 0 and (r4.forecast[1:] == r4.forecast[1]).all()
     assert r5.forecast[0] == r4.forecast[0] and (r5.forecast[1:] == 0).all()
+    # The static ceiling's peak: its own query; a failed one leaves the forecast, and only a
+    # policy whose guard has the ceiling falls back; a class without a series has no ceiling.
+    assert (r4.peak == 1.0).all()
+    r6 = assemble_failing({"fc_history_peak"})
+    assert r6.ok and r6.peak is None and r6.forecast is not None
+    assert r6.forecast_problems[0].startswith("timeout:fc_history_peak")
+    capped = Guard.build(GuardConfig(floor_margin=0.0, static_ceiling=0.75), CFG, np.full(NF * K, -1e9),
+                         np.full(NF * K, 1e9))
+    d = Controller(CFG, random_policy(guard=capped), ControlConfig(mode="control"), classes=p.classes).decide(0.0, r6)
+    assert d.fallback == "missing" and any("fc_history_peak" in x for x in d.problems)
+    assert Controller(CFG, random_policy(guard=wide), ControlConfig(mode="control"), classes=p.classes).decide(
+        0.0, dataclasses.replace(r4, peak=None)).fallback == "missing"  # the default guard has the ceiling
+    res["fc_history_peak"] = {"result": [{"metric": {"class": p.classes[0]}, "value": [t, "2.0"]}]}
+    r7 = rd._assemble(t, qs, res, levels, [], 0.0, 0.0, set())
+    assert r7.peak[0] == 2.0 and np.isnan(r7.peak[1:]).all()
 
 
 def test_the_controllers_predictive_rule_is_the_simulators():
@@ -522,3 +543,50 @@ def test_the_policys_replica_floor_holds_behind_the_controller(tmp_path):
     assert rows[0]["floor"] == floor.tolist() and rows[1]["floor"] is None
     per = summarise(rows)[0]["per_class"]
     assert [v["floor_raised_share"] for v in per.values()] == [float(x) for x in (d0.learned < floor)]
+
+
+def test_the_static_ceiling_holds_behind_the_controller(tmp_path):
+    """The guard's static ceiling (`static_ceiling`) in serving: each class keeps at most the
+    replicas static provisioning asks for on the reading's peak rate, sized as the simulator's
+    `StaticPeak` sizes them; it is counted; a reading without the peak falls back, naming it."""
+    from apex_bdq.guard import NF, Guard
+    from apex_bdq.sim.baselines import StaticPeak
+    K = CFG.num_classes
+    wide = Guard.build(GuardConfig(floor_margin=0.0, static_ceiling=0.9), CFG, np.full(NF * K, -1e9),
+                       np.full(NF * K, 1e9))
+
+    class Highest:  # the largest plan factor and the longest hold: above what the rules ask for
+        guard = wide
+
+        def decide(self, macro, micro):
+            return np.full((1, CFG.num_branches), CFG.sub_actions - 1, dtype=np.int64), None
+
+    p = ReplayPlatform(CFG, seed=3)
+    for _ in range(200):
+        p.step()
+    ctl = ControlConfig(mode="control", band_below=0.99, band_above=100.0, step_up_pct=1000.0, step_up_pods=1000,
+                        step_down_pct=100.0)
+    log = tmp_path / "decisions.jsonl"
+    c = Controller(CFG, Highest(), ctl, classes=p.classes, log_path=str(log))
+    static = StaticPeak(target_utilisation=0.9)
+    static.reset(p.sim)
+    r = reading_from_sim(p.sim, p.obs)
+    d = c.decide(0.0, r)  # the simulator's own training-days peak: the evaluation's ceiling
+    assert d.fallback is None and (d.guarded <= np.maximum(static.servers[0], CFG.min_servers)).all()
+    low = dataclasses.replace(r, peak=r.peak * 0.2)  # a quiet past: the ceiling binds
+    cap = np.ceil(low.peak / c.mu / 0.9)
+    d = c.decide(15.0, low)
+    assert (d.learned > cap).any()
+    np.testing.assert_array_equal(d.guarded, np.maximum(np.minimum(d.learned, cap), ctl.min_replicas))
+    assert c.counts["ceiling"] >= int((d.learned > cap).sum()) > 0
+    np.testing.assert_array_equal(d.ceiling, cap)
+    assert d.to_json(p.classes)["ceiling"] == cap.astype(int).tolist() and d.floor is None
+    d = c.decide(30.0, dataclasses.replace(r, peak=None))
+    assert d.fallback == "missing" and d.learned is None and any("peak" in x for x in d.problems)
+    c.close()
+    from launch.shadow_report import summarise  # the report counts the class-decisions the ceiling lowered
+    rows = read_log(log)
+    per = summarise(rows)[0]["per_class"]
+    assert rows[2]["ceiling"] is None
+    learned, ceiling = (np.array([r[x] for r in rows[:2]]) for x in ("learned", "ceiling"))
+    assert [v["ceiling_lowered_share"] for v in per.values()] == (learned > ceiling).mean(0).tolist()
