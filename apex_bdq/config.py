@@ -607,8 +607,9 @@ class GuardConfig:
     decision in two ways: its sub-actions relative to the platform's default setting (plan
     1.3 x the monitored load, 300-s hold, admit everything), which needs only the
     observation and so runs behind Serve too; and, where replicas are computed (the
-    simulator, the KEDA controller), its replicas relative to the best rule's, the predictive rule's at margins
-    `floor_margin` and `ceiling_margin` (its own default is 1.2). On a shard whose observation
+    simulator, the KEDA controller), its replicas relative to the best rules': the predictive rule's at margins
+    `floor_margin` and `ceiling_margin` (its own default is 1.2), and static provisioning's at
+    `static_ceiling` (docs/learning_v2.md §20). On a shard whose observation
     lies outside what training covered it falls back to the rules: the default setting's
     sub-actions and, where replicas are computed, the predictive rule's replicas."""
 

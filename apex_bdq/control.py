@@ -15,8 +15,8 @@ Every `sync_s` (HPA's sync period, 15 s) `Controller.decide(t)`
      by `sizing.HoldWindow` over 15-s blocks: one definition, shared with the simulator;
   4. guards it: first the policy's own replica bounds (its `GuardConfig`: at least the
      predictive rule's replicas at `floor_margin`, at most at `ceiling_margin`, and at most
-     static provisioning's for the past week's peak 5-min rate at `static_ceiling`, as in
-     evaluation; a reading without the forecast or the peak then falls back), then within
+     static provisioning's for the past week's peak 5-min rate at `static_ceiling` while the
+     monitored load lies within that peak, as in evaluation; a reading without the forecast or the peak then falls back), then within
      [rule x (1 - band_below), rule x (1 + band_above)], at most
      max(step_up_pods, step_up_pct %) more and step_down_pct % fewer replicas than now per
      decision, within [min_replicas, max_replicas];
@@ -356,12 +356,14 @@ class Controller:
                 capped = np.minimum(g, ceiling)
                 self._count("ceiling", capped != g)
                 g = capped
-            if self._static_u():  # static provisioning for the past's peak, as StaticPeak sizes it
-                peak = np.asarray(reading.peak, dtype=np.float64)
-                cap = np.where(np.isfinite(peak), np.ceil(np.maximum(peak, 0.0) / self.mu / self._static_u()),
-                               np.iinfo(np.int64).max)
-                ceiling = (cap if ceiling is None else np.minimum(ceiling, cap)).astype(np.int64)
-                capped = np.minimum(g, cap).astype(np.int64)
+            if self._static_u():  # static provisioning for the past's peak, as StaticPeak sizes it,
+                # while the monitored load lies within that peak (as in evaluation)
+                peak = np.asarray(reading.peak, dtype=np.float64) / self.mu  # [K] Erlangs
+                within = np.isfinite(peak) & (np.asarray(reading.in_flight, dtype=np.float64) <= peak)
+                cap = np.full(K, np.iinfo(np.int64).max, dtype=np.int64)
+                cap[within] = np.ceil(peak[within] / self._static_u())
+                ceiling = cap if ceiling is None else np.minimum(ceiling, cap)
+                capped = np.minimum(g, cap)
                 self._count("ceiling", capped != g)
                 g = capped
             ref = rule if rule is not None else current

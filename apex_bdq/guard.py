@@ -14,9 +14,10 @@ admission level). The guard
      for at margin `floor_margin` (and at most at `ceiling_margin`, when set), and at most
      what static provisioning asks for at target utilisation `static_ceiling` (the training
      days' per-class peak load over it: the best rule on smooth series, where every
-     rate-following decision pays the noise of measuring the rate from arrivals; a ceiling
-     wins over the floor). Serve answers sub-actions and sizes no replicas, so behind it only
-     part 1 runs;
+     rate-following decision pays the noise of measuring the rate from arrivals), while the
+     class's monitored load lies within that peak (above it static provisioning was not
+     sized for the load, and a backlog lifts the ceiling); a ceiling wins over the floor.
+     Serve answers sub-actions and sizes no replicas, so behind it only part 1 runs;
   3. falls back to the rules for a shard whose observation lies outside what training
      covered: the default setting's sub-actions and, where replicas are computed, the
      predictive rule's replicas at its own margin. Outside means its load shape (per class the
@@ -240,12 +241,14 @@ class GuardedPolicy:
         self.rules = {m: Predictive(margin=m) for m in set(self.roles.values())}
         for rule in self.rules.values():
             rule.reset(sim)
-        self.static = None  # [S, K] static provisioning's replicas (the training days' peak / utilisation)
+        self.static = self.peak = None  # [S, K] static provisioning's replicas; [K] the training days' peak load
         if g.static_ceiling:
             from apex_bdq.sim.baselines import StaticPeak
             rule = StaticPeak(target_utilisation=g.static_ceiling)
             rule.reset(sim)
             self.static = np.broadcast_to(rule.servers, (sim.S, sim.K))
+            lo, hi = sim.rates.train
+            self.peak = (sim.lam_table[lo:hi] * sim.inv_mu).max(0)
 
     def act(self, sim, obs):
         from apex_bdq.sim.provisioning import CapacityBounds
@@ -267,8 +270,9 @@ class GuardedPolicy:
         by_margin = {m: rule.act(sim, obs)[1] for m, rule in self.rules.items()}
         reps = {role: by_margin[m] for role, m in self.roles.items()}
         lo, hi = reps.get("floor"), reps.get("ceiling")
-        if self.static is not None:
-            hi = self.static if hi is None else np.minimum(hi, self.static)
+        if self.static is not None:  # static provisioning sized the peak: above it, no ceiling
+            cap = np.where(sim.monitored()["load"] <= self.peak, self.static, np.iinfo(np.int32).max)
+            hi = cap if hi is None else np.minimum(hi, cap)
         if self.back.any():  # a shard outside training's coverage gets the best rule's replicas
             rule, back = reps["fallback"], self.back[:, None]
             lo = np.where(back, rule, 0 if lo is None else lo)

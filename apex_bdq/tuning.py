@@ -322,7 +322,8 @@ def run_seed_trial(config: dict) -> None:
     m = out["learned"]
     row.update(_judged(m, judge(m)))
     row.update({k: m.get(k) for k in ("guard_clipped_share", "guard_admission_capped_share",
-                                      "guard_fallback_share", "guard_floor_raised_share")})
+                                      "guard_fallback_share", "guard_floor_raised_share",
+                                      "guard_ceiling_lowered_share")})
     if "learned_unguarded" in out:
         u = out["learned_unguarded"]
         row.update(_judged(u, judge(u), "unguarded_"))

@@ -36,6 +36,7 @@ COLUMNS = (("seed", "seed", "{}"), ("updates", "updates", "{:,}"), ("stopped_by"
            ("refused_share", "refused", "{:.2%}"), ("cost_saving_vs_best_rule", "saving vs best rule", "{:+.1%}"),
            ("oracle_gap_closed", "oracle gap closed", "{:.0%}"), ("guard_fallback_share", "fallback", "{:.1%}"),
            ("guard_clipped_share", "clipped", "{:.1%}"), ("guard_floor_raised_share", "floor raised", "{:.1%}"),
+           ("guard_ceiling_lowered_share", "ceiling lowered", "{:.1%}"),
            ("unguarded_cost_saving_vs_best_rule", "no guard: saving", "{:+.1%}"),
            ("unguarded_oracle_gap_closed", "no guard: gap closed", "{:.0%}"),
            ("unguarded_slo_violation_rate", "no guard: violation", "{:.4f}"))

@@ -172,6 +172,16 @@ def test_static_provisionings_replicas_cap_the_learned_ones():
     free, s0 = run(floor_margin=0.0, static_ceiling=0.0)
     assert s["guard_ceiling_lowered_share"] > 0 and s0["guard_ceiling_lowered_share"] == 0.0
     assert low["cost"] < free["cost"]  # the untouched policy asked for more than the peak in places
+
+    class BelowEveryLoad(GuardedPolicy):  # training days whose peak every load lies above
+        def reset(self, sim):
+            super().reset(sim)
+            self.peak = np.full_like(self.peak, -1.0)
+
+    lifted = BelowEveryLoad(GreedyPolicy(net, cfg.agent.decision_ticks),
+                            Guard.build(GuardConfig(floor_margin=0.0, static_ceiling=1.0), cfg.sim, *WIDE))
+    m = evaluate_policy(lifted, cfg.sim, shards=2, ticks=300).metrics
+    assert lifted.shares()["guard_ceiling_lowered_share"] == 0.0 and m["cost"] == free["cost"]
     assert "its ceiling lowered" in describe_shares(s) and "ceiling" not in describe_shares(s0)
     for bad in (1.5, -0.1, True, float("nan"), "0.8"):
         with pytest.raises(ConfigError, match="guard.static_ceiling"):

@@ -572,21 +572,25 @@ def test_the_static_ceiling_holds_behind_the_controller(tmp_path):
     static.reset(p.sim)
     r = reading_from_sim(p.sim, p.obs)
     d = c.decide(0.0, r)  # the simulator's own training-days peak: the evaluation's ceiling
-    assert d.fallback is None and (d.guarded <= np.maximum(static.servers[0], CFG.min_servers)).all()
-    low = dataclasses.replace(r, peak=r.peak * 0.2)  # a quiet past: the ceiling binds
-    cap = np.ceil(low.peak / c.mu / 0.9)
-    d = c.decide(15.0, low)
-    assert (d.learned > cap).any()
-    np.testing.assert_array_equal(d.guarded, np.maximum(np.minimum(d.learned, cap), ctl.min_replicas))
-    assert c.counts["ceiling"] >= int((d.learned > cap).sum()) > 0
+    within = r.in_flight <= r.peak / c.mu
+    assert d.fallback is None and (d.guarded <= np.maximum(static.servers[0], CFG.min_servers))[within].all()
+    at = dataclasses.replace(r, peak=r.in_flight * c.mu * 1.0001)  # a past whose peak is the load of the moment
+    cap = np.ceil(at.peak / c.mu / 0.9)
+    d = c.decide(15.0, at)
+    assert (d.learned > cap).all()  # the highest plan asks for ~1.75x the load, the ceiling ~1.1x
+    np.testing.assert_array_equal(d.guarded, np.maximum(cap, ctl.min_replicas))
+    assert c.counts["ceiling"] >= K
     np.testing.assert_array_equal(d.ceiling, cap)
     assert d.to_json(p.classes)["ceiling"] == cap.astype(int).tolist() and d.floor is None
-    d = c.decide(30.0, dataclasses.replace(r, peak=None))
+    n = c.counts["ceiling"]
+    d = c.decide(30.0, dataclasses.replace(r, peak=r.in_flight * c.mu * 0.99))  # a load above the past's peak
+    assert (d.guarded == d.learned).all() and c.counts["ceiling"] == n  # lifts the ceiling
+    d = c.decide(45.0, dataclasses.replace(r, peak=None))
     assert d.fallback == "missing" and d.learned is None and any("peak" in x for x in d.problems)
     c.close()
     from launch.shadow_report import summarise  # the report counts the class-decisions the ceiling lowered
     rows = read_log(log)
     per = summarise(rows)[0]["per_class"]
-    assert rows[2]["ceiling"] is None
-    learned, ceiling = (np.array([r[x] for r in rows[:2]]) for x in ("learned", "ceiling"))
+    assert rows[3]["ceiling"] is None
+    learned, ceiling = (np.array([r[x] for r in rows[:3]], dtype=np.float64) for x in ("learned", "ceiling"))
     assert [v["ceiling_lowered_share"] for v in per.values()] == (learned > ceiling).mean(0).tolist()
