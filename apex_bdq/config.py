@@ -630,7 +630,8 @@ class GuardConfig:
     static_ceiling: float = 0.75
     """Each class keeps at most the replicas static provisioning asks for at this target
     utilisation: the per-class peak offered load of the training days (the platform's past,
-    in serving) over it; 0: no such ceiling. A ceiling wins over the floor."""
+    in serving) over it, while the class's monitored load lies within that peak, and never
+    below the floor; 0: no such ceiling. (A `ceiling_margin` ceiling wins over the floor.)"""
 
     def __post_init__(self) -> None:
         _check(self.plan_below >= 0 and self.plan_above >= 0,

@@ -16,7 +16,8 @@ Every `sync_s` (HPA's sync period, 15 s) `Controller.decide(t)`
   4. guards it: first the policy's own replica bounds (its `GuardConfig`: at least the
      predictive rule's replicas at `floor_margin`, at most at `ceiling_margin`, and at most
      static provisioning's for the past week's peak 5-min rate at `static_ceiling` while the
-     monitored load lies within that peak, as in evaluation; a reading without the forecast or the peak then falls back), then within
+     monitored load lies within that peak and never below the floor, as in evaluation; a
+     reading without the forecast or the peak then falls back), then within
      [rule x (1 - band_below), rule x (1 + band_above)], at most
      max(step_up_pods, step_up_pct %) more and step_down_pct % fewer replicas than now per
      decision, within [min_replicas, max_replicas];
@@ -362,6 +363,8 @@ class Controller:
                 within = np.isfinite(peak) & (np.asarray(reading.in_flight, dtype=np.float64) <= peak)
                 cap = np.full(K, np.iinfo(np.int64).max, dtype=np.int64)
                 cap[within] = np.ceil(peak[within] / self._static_u())
+                if floor is not None:  # never below the floor (as in evaluation)
+                    cap = np.maximum(cap, floor)
                 ceiling = cap if ceiling is None else np.minimum(ceiling, cap)
                 capped = np.minimum(g, cap)
                 self._count("ceiling", capped != g)

@@ -16,7 +16,10 @@ admission level). The guard
      days' per-class peak load over it: the best rule on smooth series, where every
      rate-following decision pays the noise of measuring the rate from arrivals), while the
      class's monitored load lies within that peak (above it static provisioning was not
-     sized for the load, and a backlog lifts the ceiling); a ceiling wins over the floor.
+     sized for the load, and a backlog lifts the ceiling) and it asks for less than the floor
+     (the floor wins over this ceiling: a training-days peak can lie below a later day's load
+     without the monitored load showing it, and the floor follows the forecast); a
+     `ceiling_margin` ceiling wins over the floor.
      Serve answers sub-actions and sizes no replicas, so behind it only part 1 runs;
   3. falls back to the rules for a shard whose observation lies outside what training
      covered: the default setting's sub-actions and, where replicas are computed, the
@@ -270,8 +273,10 @@ class GuardedPolicy:
         by_margin = {m: rule.act(sim, obs)[1] for m, rule in self.rules.items()}
         reps = {role: by_margin[m] for role, m in self.roles.items()}
         lo, hi = reps.get("floor"), reps.get("ceiling")
-        if self.static is not None:  # static provisioning sized the peak: above it, no ceiling
-            cap = np.where(sim.monitored()["load"] <= self.peak, self.static, np.iinfo(np.int32).max)
+        if self.static is not None:  # static provisioning sized the peak: above it, no ceiling;
+            # never below the floor (the more generous of the two best rules bounds from above)
+            static = self.static if lo is None else np.maximum(self.static, lo)
+            cap = np.where(sim.monitored()["load"] <= self.peak, static, np.iinfo(np.int32).max)
             hi = cap if hi is None else np.minimum(hi, cap)
         if self.back.any():  # a shard outside training's coverage gets the best rule's replicas
             rule, back = reps["fallback"], self.back[:, None]

@@ -548,9 +548,10 @@ def test_the_policys_replica_floor_holds_behind_the_controller(tmp_path):
 def test_the_static_ceiling_holds_behind_the_controller(tmp_path):
     """The guard's static ceiling (`static_ceiling`) in serving: each class keeps at most the
     replicas static provisioning asks for on the reading's peak rate, sized as the simulator's
-    `StaticPeak` sizes them; it is counted; a reading without the peak falls back, naming it."""
+    `StaticPeak` sizes them, never below the floor; it is counted; a reading without the peak
+    falls back, naming it."""
     from apex_bdq.guard import NF, Guard
-    from apex_bdq.sim.baselines import StaticPeak
+    from apex_bdq.sim.baselines import Predictive, StaticPeak
     K = CFG.num_classes
     wide = Guard.build(GuardConfig(floor_margin=0.0, static_ceiling=0.9), CFG, np.full(NF * K, -1e9),
                        np.full(NF * K, 1e9))
@@ -588,6 +589,22 @@ def test_the_static_ceiling_holds_behind_the_controller(tmp_path):
     d = c.decide(45.0, dataclasses.replace(r, peak=None))
     assert d.fallback == "missing" and d.learned is None and any("peak" in x for x in d.problems)
     c.close()
+    floored = Guard.build(GuardConfig(floor_margin=3.0, static_ceiling=0.9), CFG, np.full(NF * K, -1e9),
+                          np.full(NF * K, 1e9))
+
+    class HighestFloored(Highest):
+        guard = floored
+
+    c3 = Controller(CFG, HighestFloored(), ctl, classes=p.classes)
+    fc = Predictive()
+    fc.reset(p.sim)
+    # a floor (3x the forecast) above the static ceiling (~1.1x the load) wins
+    d = c3.decide(0.0, dataclasses.replace(at, problems=[], forecast=fc.forecast(p.sim)[0].astype(np.float64)))
+    assert d.fallback is None, (d.fallback, d.problems)
+    assert (d.floor > cap).all() and (d.ceiling == d.floor).all()
+    np.testing.assert_array_equal(d.guarded, np.clip(d.floor, ctl.min_replicas, ctl.max_replicas))
+    assert c3.counts["ceiling"] == 0 and c3.counts["floor"] >= K
+    c3.close()
     from launch.shadow_report import summarise  # the report counts the class-decisions the ceiling lowered
     rows = read_log(log)
     per = summarise(rows)[0]["per_class"]
