@@ -16,10 +16,9 @@ admission level). The guard
      days' per-class peak load over it: the best rule on smooth series, where every
      rate-following decision pays the noise of measuring the rate from arrivals), while the
      class's monitored load lies within that peak (above it static provisioning was not
-     sized for the load, and a backlog lifts the ceiling) and it asks for less than the floor
-     (the floor wins over this ceiling: a training-days peak can lie below a later day's load
-     without the monitored load showing it, and the floor follows the forecast); a
-     `ceiling_margin` ceiling wins over the floor.
+     sized for the load, and a backlog lifts the ceiling), and never below the floor (a
+     training-days peak can lie below a later day's load without the monitored load showing
+     it; the floor follows the forecast); a `ceiling_margin` ceiling wins over the floor.
      Serve answers sub-actions and sizes no replicas, so behind it only part 1 runs;
   3. falls back to the rules for a shard whose observation lies outside what training
      covered: the default setting's sub-actions and, where replicas are computed, the
