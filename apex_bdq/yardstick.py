@@ -390,6 +390,28 @@ def summary(name: str, m: dict, y: dict) -> list[str]:
     return lines
 
 
+def first_target(y: dict, gap_target: float = 0.5, saving_target: float = 0.10,
+                 headroom_min: float = 0.20) -> list[str]:
+    """Issue 25's first target for one policy's yardstick `y` (`judge`'s output): at least
+    `gap_target` of the best-rule -> oracle gap closed, and a cost saving of at least
+    `saving_target` wherever the platform's headroom at the policy's violation rate (the
+    oracle's saving over the best rule there) is at least `headroom_min`."""
+    gap, s = y.get("oracle_gap_closed"), y.get("cost_saving_vs_best_rule")
+    if gap is None or s is None:
+        return ["target (issue 25): not judged (no rule's or the oracle's frontier reaches the policy's violation rate)"]
+    room = 1.0 - y["oracle_cost"] / y["best_rule_cost"]
+    lines = [f"target (issue 25): >= {100 * gap_target:.0f} % of the best-rule -> oracle gap closed: "
+             f"{'met' if gap >= gap_target else 'not met'} ({100 * gap:.0f} %)"]
+    if room >= headroom_min:
+        lines.append(f"target (issue 25): >= {100 * saving_target:.0f} % cost saving vs the best rule (headroom "
+                     f"{100 * room:.0f} % >= {100 * headroom_min:.0f} %): "
+                     f"{'met' if s >= saving_target else 'not met'} ({100 * s:+.1f} %)")
+    else:
+        lines.append(f"target (issue 25): the >= {100 * saving_target:.0f} % saving does not apply (headroom "
+                     f"{100 * room:.0f} % < {100 * headroom_min:.0f} %); saving {100 * s:+.1f} %")
+    return lines
+
+
 def as_table_rows(points: list[dict]) -> list[tuple]:
     """(setting, cost, violation, on the Pareto frontier?) rows for printing."""
     front = {id(p) for p in pareto(points)}

@@ -278,10 +278,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         if m.get("guarded"):
             from apex_bdq.guard import describe_shares
             print(f"  guard: {describe_shares(m)}")
-        gap = y.get("oracle_gap_closed")
-        if gap is not None:
-            print(f"target (issue 25): >= 50 % of the best-rule -> oracle gap closed: "
-                  f"{'met' if gap >= 0.5 else 'not met'} ({100 * gap:.0f} %)")
+        for line in yardstick.first_target(y):
+            print(line)
         s = y.get("cost_saving_vs_best_rule")
         if s is not None:
             print(f"learned policy {'beats' if s > 0 else 'does not beat'} the best rule's frontier "

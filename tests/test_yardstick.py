@@ -25,6 +25,21 @@ def test_pareto_drops_dominated_points_and_orders_by_violation():
     assert [p["setting"] for p in front] == [1, 2, 4]  # (0.05, 2.2) and (0.04, 2.4) are dominated
 
 
+def test_first_target_judges_the_gap_and_the_saving_only_where_the_headroom_is():
+    m = {"cost": 2.0, "slo_violation_rate": 0.02, "refused_share": 0.0, "slo_windows": 10_000}
+    j = ys.judge(m, {"rule": RULE}, ORACLE)  # saving 20 %, headroom 1 - c_or / 2.5 ~ 65 %, gap ~ 31 %
+    gap_line, saving_line = ys.first_target(j)
+    assert "gap closed: not met (31 %)" in gap_line
+    assert "headroom 65 % >= 20 %): met (+20.0 %)" in saving_line
+    assert "not met" in ys.first_target(j, saving_target=0.25)[1]
+    assert "gap closed: met" in ys.first_target(j, gap_target=0.3)[0]
+    # Where the oracle has less room than 20 %, the saving target does not apply.
+    near = ys.judge(m, {"rule": RULE}, [pt(0.001, 2.4), pt(0.1, 2.3)])
+    assert "does not apply (headroom" in ys.first_target(near)[1]
+    out = ys.judge({**m, "slo_violation_rate": 0.5}, {"rule": RULE}, ORACLE)
+    assert ys.first_target(out) == [ys.first_target(out)[0]] and "not judged" in ys.first_target(out)[0]
+
+
 def test_interpolation_is_linear_in_log_violation_between_frontier_points():
     front = ys.pareto(RULE)
     assert ys.cost_at(front, 0.02) == pytest.approx(2.5)  # halfway between 0.01 and 0.04 in log v
