@@ -396,6 +396,15 @@ class AgentConfig:
     multiplier of a Lagrangian relaxation of "maximise reward subject to an SLO violation
     rate" (constrained RL, Altman 1999; Tessler et al., ICLR 2019). Evaluation always
     reports the platform's own reward. 0 = train on the reward as is."""
+    slo_burn_penalty: float = 0.0
+    """Training-only cost per unit of a class-window's error-budget burn, capped at
+    `slo_burn_cap` budgets, charged tick by tick as late or refused requests accumulate: a
+    dense surrogate of the per-broken-window `slo_penalty`. A class's burn in an accounting
+    window is its late requests over the 1 % the SLO allows of the trace's average window, so
+    1 = the budget spent; a window costs slo_burn_penalty x min(burn, slo_burn_cap) in all.
+    0 = off."""
+    slo_burn_cap: float = 1.0
+    """Burn (in error budgets) beyond which a class-window costs no more under `slo_burn_penalty`."""
     grad_clip: float = 10.0
     """Max global gradient norm."""
     huber_delta: float = 1.0
@@ -431,6 +440,8 @@ class AgentConfig:
         _check(self.target_update >= 1, f"agent.target_update must be >= 1, got {self.target_update!r}")
         _check(self.reward_scale > 0, f"agent.reward_scale must be > 0, got {self.reward_scale!r}")
         _check(self.slo_penalty >= 0, f"agent.slo_penalty must be >= 0, got {self.slo_penalty!r}")
+        _check(self.slo_burn_penalty >= 0, f"agent.slo_burn_penalty must be >= 0, got {self.slo_burn_penalty!r}")
+        _check(self.slo_burn_cap > 0, f"agent.slo_burn_cap must be > 0 (error budgets), got {self.slo_burn_cap!r}")
         _check(0 < self.eps_base <= 1, f"agent.eps_base must be in (0, 1], got {self.eps_base!r}")
         _check(self.initial_policy in ("network", "default"),
                f"agent.initial_policy must be 'network' or 'default', got {self.initial_policy!r}")
@@ -800,7 +811,7 @@ class TrainConfig:
 _ANY = object()
 REMOVED_FIELDS: dict[str, dict[str, Any]] = {
     "net": {"quantiles": 0},
-    "agent": {"warmup_uniform": False, "slo_burn_penalty": 0.0, "slo_burn_cap": _ANY,
+    "agent": {"warmup_uniform": False,
               "slo_target_vs_hpa": None, "slo_penalty_step": _ANY, "slo_penalty_bounds": _ANY,
               "explore_hold_mu": 0.0, "explore_max_hold": _ANY},
     "train": {"constraint_every_s": _ANY, "constraint_shards": _ANY, "constraint_replicas": _ANY,
