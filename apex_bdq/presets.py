@@ -9,13 +9,14 @@ PRESETS = {
     # 11 minutes cap the wall time, so `make run` ends within 15 on a slow one), then the full
     # evaluation on platform v2's held-out days. A compact network: on 2 CPU cores the
     # learner's update rate, not data, is the limit. A decision every 30 ticks (2 updates per decision keep
-    # the learner busy), Huber delta 4 and a training-only SLO penalty of 220 per broken
-    # class-window (measured on platform v1; the agent's side of v2 is the next issue).
+    # the learner busy), Huber delta 4 and a training-only dense SLO cost: 220 per error budget
+    # a class-window burns, charged tick by tick (docs/learning_v2.md §23: +2.0 points over 220
+    # per broken class-window, five seeds side by side).
     "default": TrainConfig(sim=SimConfig(num_shards=64, seed=1),
                            net=NetConfig.for_sim(SimConfig(), macro_hidden=64, micro_channels=16, z_dim=128,
                                                  head_hidden=64),
                            agent=AgentConfig(lr=3e-4, decision_ticks=30, updates_per_decision=2.0, huber_delta=4.0,
-                                             slo_penalty=220.0),
+                                             slo_burn_penalty=220.0),
                            updates=14_000, minutes=11.0),
     # Platform v1's default preset as it was until 2026-12-02 (its figures in the README).
     "v1": TrainConfig(sim=SimConfig(platform="v1", num_shards=64, seed=1, headroom_min=1.8, headroom_max=2.4,
