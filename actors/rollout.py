@@ -112,10 +112,10 @@ class RolloutWorker:
         self._u: Optional[np.ndarray] = None
         self.slo_penalty = agent_cfg.slo_penalty  # training-only cost per broken class-window
         # Dense surrogate (agent.slo_burn_penalty): each class's error-budget burn in the open
-        # window, accumulated tick by tick; the charge is the growth of min(burn, cap).
+        # window (the simulator's own window accumulator of late requests, in budgets); the
+        # charge is the growth of min(burn, cap) over a tick.
         self.burn_penalty = agent_cfg.slo_burn_penalty
         self.burn_cap = agent_cfg.slo_burn_cap
-        self.burn = np.zeros((sim_cfg.num_shards, self.sim.K))
         mean_n = self.sim.lam_table.mean(0).astype(np.float64) * self.sim.dt  # [K] requests per tick
         self._burn_unit = 1.0 / (P99_Q * self.sim.W * np.maximum(mean_n, 1e-9))  # burn per late request
         self.env_steps = 0
@@ -152,6 +152,7 @@ class RolloutWorker:
         truncated = False
         lam = self.slo_penalty
         for i in range(k):
+            spent = self.sim.win_late * self._burn_unit if self.burn_penalty else None  # [S, K] budgets
             nxt, reward, truncated, info = self.sim.step(actions)
             self.env_steps += self.sim.S
             self.episode_reward += reward
@@ -165,8 +166,8 @@ class RolloutWorker:
                 self.settled_windows += wv.size
                 if lam:
                     reward = reward - lam * wv.sum(1)  # [S] broken class-windows
-            if self.burn_penalty:
-                reward = reward - self.burn_penalty * self._burn_step(info["late_requests"], wv is not None)
+            if spent is not None:
+                reward = reward - self.burn_penalty * self._burn_charge(spent, info["late_requests"])
             block += (g ** i) * reward
             if truncated:
                 break
@@ -192,22 +193,18 @@ class RolloutWorker:
             self.finished_rewards.extend((self.episode_reward / self.sim.t).tolist())
             self.episode_reward[:] = 0
             nxt = self.sim.reset()
-            self.burn[:] = 0.0
             self._q = None
             if self.recorder is not None:
                 self.recorder.reset()
         self.obs = nxt
         return out
 
-    def _burn_step(self, late: np.ndarray, window_closed: bool) -> np.ndarray:
-        """[S] growth of sum_k min(burn_k, cap) this tick; after a window's closing tick the
-        burn starts again from 0."""
-        before = np.minimum(self.burn, self.burn_cap)
-        self.burn += late * self._burn_unit
-        grown = (np.minimum(self.burn, self.burn_cap) - before).sum(1)
-        if window_closed:
-            self.burn[:] = 0.0
-        return grown
+    def _burn_charge(self, spent: np.ndarray, late: np.ndarray) -> np.ndarray:
+        """[S] growth of sum_k min(burn_k, cap) over a tick that started with `spent` budgets
+        burnt [S, K] and made `late` late or refused requests [S, K] (the simulator starts each
+        accounting window, and each episode, from no burn)."""
+        cap = self.burn_cap
+        return (np.minimum(spent + late * self._burn_unit, cap) - np.minimum(spent, cap)).sum(1)
 
     def _priority(self, tr: Transitions, v_next: np.ndarray) -> np.ndarray:
         """|TD| of each transition, y = R + discount * v_next against Q_d(s, a_d), aggregated

@@ -251,15 +251,20 @@ def test_burn_penalty_charges_the_error_budget_tick_by_tick_up_to_its_cap():
     one_budget = 1.0 / w._burn_unit  # [K] late requests that spend a whole window's budget
     late = np.zeros((S, K))
     late[0, 0] = 0.2 * one_budget[0]
-    np.testing.assert_allclose(w._burn_step(late, False), [0.2] + [0.0] * (S - 1))
-    np.testing.assert_allclose(w._burn_step(late, False)[0], 0.2)
-    np.testing.assert_allclose(w._burn_step(late, False)[0], 0.1)  # reaches the cap of 0.5
-    assert w._burn_step(late, True)[0] == 0.0  # capped until the window closes ...
-    np.testing.assert_allclose(w._burn_step(late, False)[0], 0.2)  # ... then a new budget
-    w.burn[:] = 0.0
+    spent = np.zeros((S, K))
+    np.testing.assert_allclose(w._burn_charge(spent, late), [0.2] + [0.0] * (S - 1))
+    spent[0, 0] = 0.2
+    np.testing.assert_allclose(w._burn_charge(spent, late)[0], 0.2)
+    spent[0, 0] = 0.4
+    np.testing.assert_allclose(w._burn_charge(spent, late)[0], 0.1)  # reaches the cap of 0.5
+    spent[0, 0] = 0.6
+    assert w._burn_charge(spent, late)[0] == 0.0  # capped until the window closes ...
+    for _ in range(w.sim.W):  # ... and the simulator's window accumulator starts a new budget
+        w.sim.step(np.zeros((S, sim.num_branches), dtype=np.int64))
+    np.testing.assert_allclose(w._burn_charge(w.sim.win_late * w._burn_unit, late)[0], 0.2)
     w0 = RolloutWorker(sim, cfg.agent, net, seed=3)
+    w = RolloutWorker(sim, w.cfg, net, seed=3)
     assert _charged_more(w0, w)
-    assert w0.burn.sum() == 0.0  # off: nothing accumulates
 
 
 def test_rollout_counts_the_slo_windows_its_exploration_breaks():
