@@ -113,8 +113,7 @@ def network_of(ck: dict, path: str | Path, sim_cfg: Optional[SimConfig] = None) 
         check_fits(net_cfg, sim_cfg, f"checkpoint {str(path)!r}")
     net = BDQNetwork(net_cfg)
     try:
-        learner = ck["learner"]
-        net.load_state_dict(learner["policy"] if "policy" in learner else learner["net"])
+        net.load_state_dict(ck["learner"]["net"])
     except (KeyError, TypeError, RuntimeError) as e:
         raise CheckpointError(f"checkpoint {str(path)!r}: weights do not match its network config: {e}") from e
     return net.eval()

@@ -386,11 +386,6 @@ class AgentConfig:
     """Learner updates per vectorised decision (fractions accumulate)."""
     target_update: int = 250
     """Updates between hard copies of the online network into the target network."""
-    policy_ema: float = 0.0
-    """Decay per update of an exponential moving average of the online weights that the run
-    hands on as its policy (checkpoint, evaluation): Polyak averaging of the iterates, which
-    smooths the update-to-update noise of the last snapshot. Actors explore with the online
-    weights. 0 = the policy is the last online snapshot."""
     reward_scale: float = 0.1
     """Rewards are multiplied by this before learning: the SLO credit (~-30 per broken
     class-window in simulator units) then sits within the Huber loss's quadratic zone
@@ -443,7 +438,6 @@ class AgentConfig:
         _check(self.updates_per_decision > 0,
                f"agent.updates_per_decision must be > 0, got {self.updates_per_decision!r}")
         _check(self.target_update >= 1, f"agent.target_update must be >= 1, got {self.target_update!r}")
-        _check(0 <= self.policy_ema < 1, f"agent.policy_ema must be in [0, 1) (0: off), got {self.policy_ema!r}")
         _check(self.reward_scale > 0, f"agent.reward_scale must be > 0, got {self.reward_scale!r}")
         _check(self.slo_penalty >= 0, f"agent.slo_penalty must be >= 0, got {self.slo_penalty!r}")
         _check(self.slo_burn_penalty >= 0, f"agent.slo_burn_penalty must be >= 0, got {self.slo_burn_penalty!r}")

@@ -146,11 +146,6 @@ class Learner:
         self.net = self.backend.module  # the bare network: acting, checkpoints, publishing
         self.device = self.backend.device
         self.target = copy.deepcopy(self.net).requires_grad_(False)
-        self.ema = None
-        if agent_cfg.policy_ema > 0:
-            from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
-            self.ema = AveragedModel(self.net, multi_avg_fn=get_ema_multi_avg_fn(agent_cfg.policy_ema),
-                                     use_buffers=True)
         self.updates = 0
         self.optimizer_resets = 0
         self.version = 0  # bumped whenever the weights change; stamped on what they produce
@@ -182,23 +177,12 @@ class Learner:
         self.version += 1
         if self.updates % self.cfg.target_update == 0:
             self.target.load_state_dict(self.net.state_dict())
-        if self.ema is not None:
-            self.ema.update_parameters(self.net)
         return StepResult(priorities=priorities, loss=float(loss.detach()), grad_norm=grad_norm, **res)
 
-    def policy_net(self) -> BDQNetwork:
-        """The network the run hands on as its policy: the moving average of the online
-        weights with agent.policy_ema on, else the online network itself."""
-        return self.ema.module if self.ema is not None else self.net
-
     def state_dict(self, with_optimizer: bool = True) -> dict:
-        out = {"net": self.net.state_dict(), "target": self.target.state_dict(),
-               "opt": self.backend.optimizer_state() if with_optimizer else {},
-               "updates": self.updates, "version": self.version}
-        if self.ema is not None:
-            out["policy"] = self.ema.module.state_dict()
-            out["policy_averaged"] = int(self.ema.n_averaged)
-        return out
+        return {"net": self.net.state_dict(), "target": self.target.state_dict(),
+                "opt": self.backend.optimizer_state() if with_optimizer else {},
+                "updates": self.updates, "version": self.version}
 
     def load_state_dict(self, state: dict, strict_optimizer: bool = True) -> None:
         """strict_optimizer=False: an optimiser state of another backend's layout (or none)
@@ -206,10 +190,6 @@ class Learner:
         (`optimizer_resets`, reported in LearnerReport)."""
         self.net.load_state_dict(state["net"])
         self.target.load_state_dict(state["target"])
-        if self.ema is not None:
-            # A checkpoint without an average (trained with it off) starts one from its weights.
-            self.ema.module.load_state_dict(state.get("policy", state["net"]))
-            self.ema.n_averaged.fill_(int(state.get("policy_averaged", 1)))
         try:
             self.backend.load_optimizer_state(state["opt"])
         except (ValueError, KeyError, RuntimeError) as e:

@@ -98,48 +98,6 @@ def test_rollout_worker_ladder_transitions_and_priorities():
     np.testing.assert_allclose(got[2].reward, expect, rtol=1e-5, atol=1e-5)
 
 
-def test_policy_ema_averages_the_online_weights_and_travels_in_the_checkpoint():
-    from apex_bdq.checkpoint import network_of
-    cfg = NetConfig(macro_hidden=32, micro_channels=8, z_dim=32, head_hidden=32)
-    agent = AgentConfig(batch_size=16, replay_capacity=64, learning_starts=16, target_update=5, lr=1e-3,
-                        policy_ema=0.9)
-    ln = Learner(cfg, agent, seed=0)
-    g = torch.Generator().manual_seed(0)
-    data = {"macro": torch.randn(16, 16, generator=g), "micro": torch.randn(16, 4, 8, 6, generator=g),
-            "action": torch.randint(0, 5, (16, 4), generator=g).to(torch.uint8),
-            "reward": torch.randn(16, generator=g), "discount": torch.zeros(16),
-            "next_macro": torch.randn(16, 16, generator=g), "next_micro": torch.randn(16, 4, 8, 6, generator=g)}
-    batch = SampledBatch(indices=None, generations=None, weights=torch.ones(16), **data)
-    # By hand: the first update copies the weights, each later one moves 1 - 0.9 of the way.
-    want = None
-    for _ in range(12):
-        ln.step(batch)
-        now = {k: v.detach().clone() for k, v in ln.net.state_dict().items()}
-        want = now if want is None else {k: 0.9 * want[k] + 0.1 * now[k] for k in now}
-    got = ln.policy_net().state_dict()
-    for k in want:
-        torch.testing.assert_close(got[k], want[k])
-    assert any(not torch.equal(got[k], now[k]) for k in want)
-    # The checkpoint's policy is the average; the online weights stay for a resume, which
-    # carries the average on.
-    state = ln.state_dict()
-    ck = {"config": {"net": dataclasses.asdict(cfg)}, "learner": state}
-    for k, v in network_of(ck, "ck.pt").state_dict().items():
-        torch.testing.assert_close(v, want[k])
-    again = Learner(cfg, agent, seed=1)
-    again.load_state_dict(state)
-    for k, v in again.policy_net().state_dict().items():
-        torch.testing.assert_close(v, want[k])
-    for k, v in again.net.state_dict().items():
-        torch.testing.assert_close(v, now[k])
-    assert int(again.ema.n_averaged) == 12
-    # Off: the policy is the online network and the checkpoint has no average.
-    plain = Learner(cfg, dataclasses.replace(agent, policy_ema=0.0), seed=0)
-    assert plain.policy_net() is plain.net and "policy" not in plain.state_dict()
-    with pytest.raises(ConfigError, match="policy_ema"):
-        AgentConfig(policy_ema=1.0)
-
-
 @pytest.mark.slow
 def test_smoke_training_writes_json_checkpoint_and_evaluates(tmp_path, capsys):
     out, ck, curve = tmp_path / "train.json", tmp_path / "ck.pt", tmp_path / "curve.png"
