@@ -14,7 +14,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from apex_bdq.config import ConfigError, SimConfig, net_config_from_dict
+from apex_bdq.config import ConfigError, SimConfig, TrainConfig, net_config_from_dict, train_config_from_dict
 from apex_bdq.durable import atomic_write
 from apex_bdq.networks import BDQNetwork, NetConfig
 
@@ -44,6 +44,15 @@ def load_checkpoint(path: str | Path) -> dict:
         got = ck.get("format") if isinstance(ck, dict) else type(ck).__name__
         raise CheckpointError(f"checkpoint {str(p)!r} has format {got!r}, expected {FORMAT!r}")
     return ck
+
+
+def train_config_of(ck: dict, path: str | Path) -> TrainConfig:
+    """The full training config a loaded checkpoint was saved with; CheckpointError naming
+    the file and what does not load (e.g. a key this version does not know)."""
+    try:
+        return train_config_from_dict(ck["config"])
+    except (KeyError, TypeError, ConfigError) as e:
+        raise CheckpointError(f"checkpoint {str(path)!r}: its config does not load in this version: {e}") from e
 
 
 def net_config_of(ck: dict) -> NetConfig:

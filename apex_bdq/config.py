@@ -348,11 +348,9 @@ def sim_config_from_dict(d: dict) -> SimConfig:
     for k in ("class_share", "service_time_s", "slo_factor", "plan_factors", "hold_s", "seasonal_leads_s"):
         if d.get(k) is not None:
             d[k] = tuple(d[k])
-    known = {f.name for f in dataclasses.fields(SimConfig)}
-    unknown = sorted(set(d) - known)
-    if unknown:
-        raise ConfigError(f"unknown sim config keys: {unknown}")
-    return SimConfig(trace=TraceConfig(**tr), augment=AugmentConfig(**aug), **d)
+    d["trace"] = _section(TraceConfig, tr, "sim.trace")
+    d["augment"] = _section(AugmentConfig, aug, "sim.augment")
+    return _section(SimConfig, d, "sim")
 
 
 @dataclass(frozen=True)
@@ -804,18 +802,21 @@ class TrainConfig:
                    f"train.net.{f}={getattr(self.net, f)} does not match the simulator ({getattr(want, f)})")
 
 
-# Fields of experiments removed after commit a1f8305 (docs/removed_experiments.md), per
-# section: the value that meant "off", or _ANY for a setting read only when its switch was on.
-# A saved config (checkpoint) still loads when they are off; one that turned a removed
-# experiment on is refused, since this code would no longer do what it was trained with.
+# Fields of experiments removed from the code (docs/removed_experiments.md), per section:
+# name -> (the value that meant "off", or _ANY for a setting read only when its switch was on;
+# the last commit that had it). A saved config (checkpoint) still loads when they are off; one
+# that turned a removed experiment on is refused, since this code would no longer do what it
+# was trained with.
 _ANY = object()
-REMOVED_FIELDS: dict[str, dict[str, Any]] = {
-    "net": {"quantiles": 0},
-    "agent": {"warmup_uniform": False,
-              "slo_target_vs_hpa": None, "slo_penalty_step": _ANY, "slo_penalty_bounds": _ANY,
-              "explore_hold_mu": 0.0, "explore_max_hold": _ANY},
-    "train": {"constraint_every_s": _ANY, "constraint_shards": _ANY, "constraint_replicas": _ANY,
-              "constraint_ticks": _ANY, "select_every_s": None, "select_violation_vs_hpa": _ANY},
+_A1 = "a1f8305"
+REMOVED_FIELDS: dict[str, dict[str, tuple[Any, str]]] = {
+    "net": {"quantiles": (0, _A1)},
+    "agent": {"warmup_uniform": (False, _A1),
+              "slo_target_vs_hpa": (None, _A1), "slo_penalty_step": (_ANY, _A1), "slo_penalty_bounds": (_ANY, _A1),
+              "explore_hold_mu": (0.0, _A1), "explore_max_hold": (_ANY, _A1),
+              "policy_ema": (0.0, "6d02468")},
+    "train": {"constraint_every_s": (_ANY, _A1), "constraint_shards": (_ANY, _A1), "constraint_replicas": (_ANY, _A1),
+              "constraint_ticks": (_ANY, _A1), "select_every_s": (None, _A1), "select_violation_vs_hpa": (_ANY, _A1)},
 }
 
 
@@ -823,34 +824,61 @@ def drop_removed_fields(section: str, d: dict) -> dict:
     """`d` (a saved config section: "net", "agent" or "train") without the fields of removed
     experiments; ConfigError if one of them was switched on."""
     out = dict(d)
-    for name, off in REMOVED_FIELDS[section].items():
+    for name, (off, commit) in REMOVED_FIELDS[section].items():
         if name not in out:
             continue
         val = out.pop(name)
         if off is not _ANY and val != off:
             prefix = "" if section == "train" else f"{section}."
-            raise ConfigError(f"this config sets {prefix}{name}={val!r}, an experiment removed after commit a1f8305 "
+            raise ConfigError(f"this config sets {prefix}{name}={val!r}, an experiment removed after commit {commit} "
                               "(docs/removed_experiments.md): restore it from that commit with git to use it")
     return out
 
 
+def _section(cls: type, d: Any, section: str) -> Any:
+    """`cls(**d)` for one saved config section, with a ConfigError naming the section and the
+    keys this version does not know (a config saved by a newer version, or by an experiment
+    that has since been removed) instead of a bare TypeError."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"config section {section!r} is {type(d).__name__}, expected a mapping")
+    unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
+    if unknown:
+        where = "the top level" if section == "train" else f"section {section!r}"
+        raise ConfigError(f"unknown config keys at {where}: {unknown}; saved by another version of apex-bdq "
+                          "(a newer one, or an experiment since removed: docs/removed_experiments.md)")
+    return cls(**d)
+
+
 def net_config_from_dict(d: dict) -> NetConfig:
     """A NetConfig from `dataclasses.asdict` output (a checkpoint's "net")."""
-    return NetConfig(**drop_removed_fields("net", d))
+    return _section(NetConfig, drop_removed_fields("net", d), "net")
 
 
 def train_config_from_dict(d: dict) -> TrainConfig:
+    """A TrainConfig from `dataclasses.asdict` output (a checkpoint's "config"); ConfigError
+    naming what does not fit (a removed experiment switched on, a key this version does not
+    know, a value its checks refuse)."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"a saved config is a mapping, got {type(d).__name__}")
     d = drop_removed_fields("train", d)
+    for need in ("sim", "net", "agent"):
+        if need not in d:
+            raise ConfigError(f"a saved config has no {need!r} section")
     sim = sim_config_from_dict(d.pop("sim"))
     net = net_config_from_dict(d.pop("net"))
-    agent = AgentConfig(**drop_removed_fields("agent", d.pop("agent")))
+    agent = _section(AgentConfig, drop_removed_fields("agent", d.pop("agent")), "agent")
     pref = dict(d.pop("pref", {}) or {})
     if "oracle_weights" in pref:
         pref["oracle_weights"] = tuple(pref["oracle_weights"])
-    cluster = ClusterConfig(**(d.pop("cluster", None) or {}))  # none in checkpoints before 2026-12-02
-    guard = GuardConfig(**(d.pop("guard", None) or {}))  # none before 2026-12-02 (evening)
-    return TrainConfig(sim=sim, net=net, agent=agent, pref=PreferenceConfig(**pref), cluster=cluster, guard=guard,
-                       **d)
+    cluster = _section(ClusterConfig, d.pop("cluster", None) or {}, "cluster")  # none before 2026-12-02
+    guard = _section(GuardConfig, d.pop("guard", None) or {}, "guard")  # none before 2026-12-02 (evening)
+    top = {f.name for f in dataclasses.fields(TrainConfig)} - {"sim", "net", "agent", "pref", "cluster", "guard"}
+    unknown = sorted(set(d) - top)
+    if unknown:
+        raise ConfigError(f"unknown config keys at the top level: {unknown}; saved by another version of apex-bdq "
+                          "(a newer one, or an experiment since removed: docs/removed_experiments.md)")
+    return TrainConfig(sim=sim, net=net, agent=agent, pref=_section(PreferenceConfig, pref, "pref"),
+                       cluster=cluster, guard=guard, **d)
 
 
 def _parse_override(key: str, raw: str, hint: Any) -> Any:

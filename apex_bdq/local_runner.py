@@ -16,8 +16,8 @@ from typing import Optional
 
 import torch
 
-from apex_bdq.checkpoint import CheckpointError, config_to_dict, load_checkpoint, save_checkpoint
-from apex_bdq.config import TrainConfig, train_config_from_dict
+from apex_bdq.checkpoint import CheckpointError, config_to_dict, load_checkpoint, save_checkpoint, train_config_of
+from apex_bdq.config import TrainConfig
 from apex_bdq.driver import Driver, Progress
 from apex_bdq.messages import SampledBatch
 from apex_bdq.system import make_components
@@ -74,7 +74,7 @@ class LocalTrainer:
         starts again (replay and simulator state are not in checkpoints)."""
         ck = load_checkpoint(path)
         try:
-            saved = train_config_from_dict(ck["config"])
+            saved = train_config_of(ck, path)
             if dataclasses.asdict(saved.net) != dataclasses.asdict(self.cfg.net):
                 raise CheckpointError(f"checkpoint {str(path)!r} was trained with network {saved.net}, "
                                       f"this run has {self.cfg.net}")

@@ -371,14 +371,10 @@ class Policy:
 def guard_of_checkpoint(ck: dict, path: str | Path):
     """The guard a checkpoint's policy runs under (None: off, or platform v1); it needs the
     training trace to know the load shapes training covered."""
-    from apex_bdq.checkpoint import CheckpointError
-    from apex_bdq.config import ConfigError, train_config_from_dict
+    from apex_bdq.checkpoint import CheckpointError, train_config_of
     from apex_bdq.guard import guard_for
     from apex_bdq.sim.trace import TraceError
-    try:
-        cfg = train_config_from_dict(ck["config"])
-    except (KeyError, TypeError, ConfigError) as e:
-        raise CheckpointError(f"checkpoint {str(path)!r}: no usable config for its guard: {e}") from e
+    cfg = train_config_of(ck, path)
     try:
         return guard_for(cfg)
     except (TraceError, OSError) as e:

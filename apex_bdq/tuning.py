@@ -303,14 +303,20 @@ def run_seed_trial(config: dict) -> None:
                                num_replay_shards=fixed["num_replay_shards"], actor_cpus=fixed["actor_cpus"],
                                learner_cpus=fixed["learner_cpus"], storage_path=str(work / "ray_train"))
     ck = os.path.join(fixed["checkpoint_dir"], f"seed_{cfg.seed}.pt") if fixed.get("checkpoint_dir") else None
+    # While the trial trains its periodic checkpoints go to seed_N.pt.partial; seed_N.pt
+    # appears only once training has ended, so nothing evaluates a mid-training policy as
+    # the seed's (a trial that fails leaves the .partial for `launch.train --resume`).
+    partial = ck + ".partial" if ck else None
     if ck:
-        spec = spec.replace(checkpoint_path=ck)
+        spec = spec.replace(checkpoint_path=partial)
     run = ApexRun(cfg, spec)
     try:
-        out = Driver(cfg, run, checkpoint=ck, evaluate=False, final_split="eval").run()
+        out = Driver(cfg, run, checkpoint=partial, evaluate=False, final_split="eval").run()
     finally:
         run.shutdown()
         shutil.rmtree(work, ignore_errors=True)
+    if ck:
+        os.replace(partial, ck)
     row = {"seed": cfg.seed, "checkpoint": ck, "updates": int(out["updates"]), "updates_budget": out.get("updates_budget"),
            "stopped_by": out.get("stopped_by"), "train_seconds": float(out["train_seconds"]),
            "env_steps": int(out["env_steps"]), "final": True}

@@ -34,10 +34,9 @@ def bench_scaler(decisions: int = 200, checkpoint: Optional[str] = None) -> dict
     if checkpoint is None and Path("runs/train/checkpoint.pt").is_file():
         checkpoint = "runs/train/checkpoint.pt"
     if checkpoint:
-        from apex_bdq.checkpoint import load_checkpoint
-        from apex_bdq.config import train_config_from_dict
+        from apex_bdq.checkpoint import load_checkpoint, train_config_of
         policy = policy_from_checkpoint(checkpoint)
-        cfg = train_config_from_dict(load_checkpoint(checkpoint)["config"]).sim
+        cfg = train_config_of(load_checkpoint(checkpoint), checkpoint).sim
         source = checkpoint
     else:  # the forward pass costs the same with any weights
         from apex_bdq.networks import BDQNetwork

@@ -140,15 +140,11 @@ def make_policy(name: str, cfg: SimConfig):
     bare network)."""
     kind, _, path = name.partition(":")
     if kind in ("checkpoint", "checkpoint-unguarded"):
-        from apex_bdq.checkpoint import load_policy
-        from apex_bdq.config import train_config_from_dict
+        from apex_bdq.checkpoint import load_policy, train_config_of
         from apex_bdq.guard import GuardedPolicy, guard_for
         pol = load_policy(path, cfg)
         if kind == "checkpoint":
-            try:
-                g = guard_for(train_config_from_dict(load_checkpoint(path)["config"]))
-            except (KeyError, TypeError, ConfigError) as e:
-                raise CheckpointError(f"checkpoint {path!r}: no usable config for its guard: {e}") from e
+            g = guard_for(train_config_of(load_checkpoint(path), path))
             if g is not None:
                 return GuardedPolicy(pol, g)
         return pol

@@ -106,8 +106,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if a.minutes <= 0 or a.warmup_minutes < 2.5:
         ap.error("--minutes must be > 0 and --warmup-minutes >= 2.5 (the reader needs two accounting windows)")
 
-    from apex_bdq.checkpoint import CheckpointError, load_checkpoint
-    from apex_bdq.config import train_config_from_dict
+    from apex_bdq.checkpoint import CheckpointError, load_checkpoint, train_config_of
     from apex_bdq.control import ControlConfig, ControlError, Controller
     from apex_bdq.keda_scaler import KedaHpa, ScalerServer
     from apex_bdq.replay_platform import PrometheusUnavailable, ReplayLoop, ReplayPlatform
@@ -115,7 +114,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from apex_bdq.telemetry import TelemetryConfig, TelemetryReader
     try:
         policy = policy_from_checkpoint(a.checkpoint, guard=not a.no_guard)
-        cfg = train_config_from_dict(load_checkpoint(a.checkpoint)["config"]).sim
+        cfg = train_config_of(load_checkpoint(a.checkpoint), a.checkpoint).sim
         ctl_cfg = ControlConfig(mode=a.mode)
         if a.control:
             import yaml

@@ -55,8 +55,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if bool(a.tls_cert) != bool(a.tls_key):
         ap.error("--tls-cert and --tls-key go together")
 
-    from apex_bdq.checkpoint import CheckpointError, load_checkpoint
-    from apex_bdq.config import ConfigError, train_config_from_dict
+    from apex_bdq.checkpoint import CheckpointError, load_checkpoint, train_config_of
+    from apex_bdq.config import ConfigError
     from apex_bdq.control import ControlConfig, ControlError, Controller
     from apex_bdq.keda_scaler import ScalerError, ScalerServer
     from apex_bdq.serving import policy_from_checkpoint
@@ -69,7 +69,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             ctl_doc["mode"] = a.mode
         ctl_cfg = ControlConfig.from_dict(ctl_doc)
         policy = policy_from_checkpoint(a.checkpoint, guard=not a.no_guard)
-        sim = train_config_from_dict(load_checkpoint(a.checkpoint)["config"]).sim
+        sim = train_config_of(load_checkpoint(a.checkpoint), a.checkpoint).sim
         reader = TelemetryReader(tel, sim)
     except (ValueError, TelemetryError, ControlError, CheckpointError, ConfigError, OSError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)

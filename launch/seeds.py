@@ -14,7 +14,8 @@ days under its guard and without it, and judged against the rules' frontiers and
 cost and SLO violation rate, refused share, cost saving vs the best rule at equal violation
 rate, the share of the best-rule -> oracle gap closed, the guard's shares; then how many
 seeds meet the target (>= 50 % of the gap by default, `--target-gap`). Each seed's
-checkpoint is kept (STORAGE/NAME/checkpoints/seed_N.pt) for `launch.evaluate`. JSON keys:
+checkpoint is kept for `launch.evaluate`: STORAGE/NAME/checkpoints/seed_N.pt, written when the
+trial's training has ended (seed_N.pt.partial while it trains). JSON keys:
 `seeds` (one row per seed), `summary`, `command`.
 """
 

@@ -20,9 +20,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from apex_bdq.checkpoint import CheckpointError, load_checkpoint
-from apex_bdq.config import (BACKENDS, ClusterConfig, ConfigError, TraceConfig, TrainConfig, apply_overrides,
-                             train_config_from_dict)
+from apex_bdq.checkpoint import CheckpointError, load_checkpoint, train_config_of
+from apex_bdq.config import BACKENDS, ClusterConfig, ConfigError, TraceConfig, TrainConfig, apply_overrides
 from apex_bdq.local_runner import LocalTrainer
 from apex_bdq.presets import PRESETS
 from apex_bdq.sim.trace import TraceError
@@ -88,7 +87,7 @@ def run_distributed(cfg: TrainConfig, a, spec) -> dict:
     from apex_bdq.ray_runner import ApexRun, local_ray_init
     resume = load_checkpoint(a.resume) if a.resume else None
     if resume is not None:
-        saved = train_config_from_dict(resume["config"])
+        saved = train_config_of(resume, a.resume)
         if dataclasses.asdict(saved.net) != dataclasses.asdict(cfg.net):
             raise CheckpointError(f"checkpoint {a.resume!r} was trained with network {saved.net}, this run has {cfg.net}")
     local_ray_init(spec, a.address, **({} if a.address else {"include_dashboard": not a.no_dashboard}),
@@ -206,7 +205,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if a.preset is None and resume_ck is not None:
             # The run it continues, unless told otherwise; its recorded cluster layout belongs
             # to the machines it ran on, so the layout comes from the defaults and the flags.
-            cfg = dataclasses.replace(train_config_from_dict(resume_ck["config"]), cluster=ClusterConfig())
+            cfg = dataclasses.replace(train_config_of(resume_ck, a.resume), cluster=ClusterConfig())
         else:
             cfg = PRESETS[a.preset or "default"]
     except (ConfigError, CheckpointError, KeyError, TypeError, ValueError) as e:

@@ -363,3 +363,51 @@ def test_saved_configs_load_without_the_removed_experiments(tmp_path):
     save_checkpoint(ck, bad, tr.learner.state_dict(), {"decisions": 0, "env_steps": 0, "updates": 0, "history": []})
     with pytest.raises(CheckpointError, match="net.quantiles=16, an experiment removed"):
         load_policy(ck, cfg.sim)
+    # An experiment removed later names the commit that last had it.
+    ema = json.loads(json.dumps(old))
+    ema["agent"]["policy_ema"] = 0.0
+    assert train_config_from_dict(ema) == cfg
+    ema["agent"]["policy_ema"] = 0.999
+    with pytest.raises(ConfigError, match=r"agent.policy_ema=0.999, an experiment removed after commit 6d02468"):
+        train_config_from_dict(ema)
+
+
+def test_a_saved_config_with_keys_this_version_does_not_know_is_refused_naming_them(tmp_path, capsys):
+    """A checkpoint from a newer version (or from an experiment removed without a
+    REMOVED_FIELDS entry) fails with the section, the key and the file, not a TypeError."""
+    from apex_bdq.checkpoint import config_to_dict, save_checkpoint, train_config_of
+    from apex_bdq.config import train_config_from_dict
+    from apex_bdq.serving import policy_from_checkpoint
+    cfg = PRESETS["smoke"]
+    for where, key in (("agent", "new_knob"), ("guard", "new_band"), ("sim", "new_sim"), (None, "new_top"),
+                       ("pref", "new_pref"), ("cluster", "new_cl")):
+        d = config_to_dict(cfg)
+        (d[where] if where else d)[key] = 1
+        place = "the top level" if where is None else f"section {where!r}"
+        with pytest.raises(ConfigError, match=rf"unknown config keys at {place}: \['{key}'\]; saved by another version"):
+            train_config_from_dict(d)
+    d = config_to_dict(cfg)
+    d["sim"]["trace"]["new_col"] = "x"
+    with pytest.raises(ConfigError, match=r"section 'sim.trace': \['new_col'\]"):
+        train_config_from_dict(d)
+    del d["sim"]
+    with pytest.raises(ConfigError, match="no 'sim' section"):
+        train_config_from_dict(d)
+    # through a checkpoint file: a CheckpointError naming the file, and the CLIs exit 2 saying so
+    tr = LocalTrainer(cfg)
+    d = config_to_dict(cfg)
+    d["agent"]["new_knob"] = 1
+    ck = tmp_path / "newer.pt"
+    save_checkpoint(ck, d, tr.learner.state_dict(), {"decisions": 0, "env_steps": 0, "updates": 0, "history": []})
+    with pytest.raises(CheckpointError, match=rf"checkpoint '{ck}': its config does not load in this version: "
+                                              r"unknown config keys at section 'agent': \['new_knob'\]"):
+        train_config_of(load_checkpoint(ck), ck)
+    with pytest.raises(CheckpointError, match="new_knob"):
+        policy_from_checkpoint(ck)
+    capsys.readouterr()
+    assert evaluate.main(["--policy", f"checkpoint:{ck}", "--ticks", "4", "--shards", "1", "--no-frontier",
+                          "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert str(ck) in err and "new_knob" in err and "Traceback" not in err
+    assert train.main(["--local", "--resume", str(ck), "--quiet"]) == 2
+    assert "new_knob" in capsys.readouterr().err

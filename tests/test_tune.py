@@ -157,6 +157,9 @@ def test_a_seed_table_runs_each_seed_to_its_update_budget(ray_local, tmp_path):
         assert r["cost"] > 0 and r["unguarded_cost"] > 0
     a, b = (torch.load(r["checkpoint"], map_location="cpu", weights_only=False) for r in rows)
     assert a["config"]["seed"] == 3 and b["config"]["seed"] == 4
+    # the kept checkpoint is the final one; the name it trained under (.partial) is gone
+    assert a["counters"]["updates"] == 30 and b["counters"]["updates"] == 30
+    assert sorted(p.name for p in (tmp_path / "apex_bdq_seeds" / "checkpoints").iterdir()) == ["seed_3.pt", "seed_4.pt"]
     wa, wb = a["learner"]["net"], b["learner"]["net"]
     assert any(not torch.equal(wa[k], wb[k]) for k in wa)  # two seeds, two policies
     assert doc["summary"]["seeds"] == 2
