@@ -14,7 +14,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from apex_bdq.config import ConfigError, SimConfig, TrainConfig, net_config_from_dict, train_config_from_dict
+from apex_bdq.config import SimConfig, TrainConfig, net_config_from_dict, train_config_from_dict
 from apex_bdq.durable import atomic_write
 from apex_bdq.networks import BDQNetwork, NetConfig
 
@@ -51,7 +51,7 @@ def train_config_of(ck: dict, path: str | Path) -> TrainConfig:
     the file and what does not load (e.g. a key this version does not know)."""
     try:
         return train_config_from_dict(ck["config"])
-    except (KeyError, TypeError, ConfigError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError) as e:  # ConfigError is a ValueError
         raise CheckpointError(f"checkpoint {str(path)!r}: its config does not load in this version: {e}") from e
 
 
@@ -115,7 +115,7 @@ def network_of(ck: dict, path: str | Path, sim_cfg: Optional[SimConfig] = None) 
     missing or mismatched part raises CheckpointError naming the file."""
     try:
         net_cfg = net_config_of(ck)
-    except (KeyError, TypeError, ConfigError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError) as e:  # ConfigError is a ValueError
         raise CheckpointError(f"checkpoint {str(path)!r} has no usable network config: {e}") from e
     if sim_cfg is not None:
         check_platform(ck, sim_cfg, f"checkpoint {str(path)!r}")

@@ -810,25 +810,29 @@ class TrainConfig:
 _ANY = object()
 _A1 = "a1f8305"
 REMOVED_FIELDS: dict[str, dict[str, tuple[Any, str]]] = {
-    "net": {"quantiles": (0, _A1)},
+    "net": {"quantiles": (0, _A1), "action_band": ((), "84ed603")},
     "agent": {"warmup_uniform": (False, _A1),
               "slo_target_vs_hpa": (None, _A1), "slo_penalty_step": (_ANY, _A1), "slo_penalty_bounds": (_ANY, _A1),
               "explore_hold_mu": (0.0, _A1), "explore_max_hold": (_ANY, _A1),
-              "policy_ema": (0.0, "6d02468")},
+              "policy_ema": (0.0, "43b3d27")},
+    "pref": {"greedy_tolerance": (0.0, "c166e8d"), "oracle_slo": ("tick", "87e2800")},
+    "guard": {"in_training": (False, "84ed603")},
     "train": {"constraint_every_s": (_ANY, _A1), "constraint_shards": (_ANY, _A1), "constraint_replicas": (_ANY, _A1),
               "constraint_ticks": (_ANY, _A1), "select_every_s": (None, _A1), "select_violation_vs_hpa": (_ANY, _A1)},
 }
 
 
-def drop_removed_fields(section: str, d: dict) -> dict:
-    """`d` (a saved config section: "net", "agent" or "train") without the fields of removed
-    experiments; ConfigError if one of them was switched on."""
+def drop_removed_fields(section: str, d: Any) -> dict:
+    """`d` (a saved config section: "net", "agent", "pref", "guard" or "train") without the
+    fields of removed experiments; ConfigError if one of them was switched on."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"config section {section!r} is {type(d).__name__}, expected a mapping")
     out = dict(d)
     for name, (off, commit) in REMOVED_FIELDS[section].items():
         if name not in out:
             continue
         val = out.pop(name)
-        if off is not _ANY and val != off:
+        if off is not _ANY and (tuple(val) if isinstance(val, list) else val) != off:
             prefix = "" if section == "train" else f"{section}."
             raise ConfigError(f"this config sets {prefix}{name}={val!r}, an experiment removed after commit {commit} "
                               "(docs/removed_experiments.md): restore it from that commit with git to use it")
@@ -844,8 +848,8 @@ def _section(cls: type, d: Any, section: str) -> Any:
     unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
     if unknown:
         where = "the top level" if section == "train" else f"section {section!r}"
-        raise ConfigError(f"unknown config keys at {where}: {unknown}; saved by another version of apex-bdq "
-                          "(a newer one, or an experiment since removed: docs/removed_experiments.md)")
+        raise ConfigError(f"unknown config keys at {where}: {unknown}; saved by another (older or newer) version "
+                          "of apex-bdq")
     return cls(**d)
 
 
@@ -867,16 +871,17 @@ def train_config_from_dict(d: dict) -> TrainConfig:
     sim = sim_config_from_dict(d.pop("sim"))
     net = net_config_from_dict(d.pop("net"))
     agent = _section(AgentConfig, drop_removed_fields("agent", d.pop("agent")), "agent")
-    pref = dict(d.pop("pref", {}) or {})
+    pref = drop_removed_fields("pref", d.pop("pref", None) or {})
     if "oracle_weights" in pref:
         pref["oracle_weights"] = tuple(pref["oracle_weights"])
     cluster = _section(ClusterConfig, d.pop("cluster", None) or {}, "cluster")  # none before 2026-12-02
-    guard = _section(GuardConfig, d.pop("guard", None) or {}, "guard")  # none before 2026-12-02 (evening)
+    guard = _section(GuardConfig, drop_removed_fields("guard", d.pop("guard", None) or {}), "guard")  # none before
+    # 2026-12-02 (evening)
     top = {f.name for f in dataclasses.fields(TrainConfig)} - {"sim", "net", "agent", "pref", "cluster", "guard"}
     unknown = sorted(set(d) - top)
     if unknown:
-        raise ConfigError(f"unknown config keys at the top level: {unknown}; saved by another version of apex-bdq "
-                          "(a newer one, or an experiment since removed: docs/removed_experiments.md)")
+        raise ConfigError(f"unknown config keys at the top level: {unknown}; saved by another (older or newer) "
+                          "version of apex-bdq")
     return TrainConfig(sim=sim, net=net, agent=agent, pref=_section(PreferenceConfig, pref, "pref"),
                        cluster=cluster, guard=guard, **d)
 

@@ -308,6 +308,8 @@ def run_seed_trial(config: dict) -> None:
     # the seed's (a trial that fails leaves the .partial for `launch.train --resume`).
     partial = ck + ".partial" if ck else None
     if ck:
+        for stale in (partial, ck):  # an earlier table's of the same name: never taken for this run's
+            Path(stale).unlink(missing_ok=True)
         spec = spec.replace(checkpoint_path=partial)
     run = ApexRun(cfg, spec)
     try:
@@ -315,8 +317,10 @@ def run_seed_trial(config: dict) -> None:
     finally:
         run.shutdown()
         shutil.rmtree(work, ignore_errors=True)
-    if ck:
+    if ck and out.get("checkpoint") == partial and os.path.exists(partial):
         os.replace(partial, ck)
+    else:  # the run copied no learner checkpoint
+        ck = None
     row = {"seed": cfg.seed, "checkpoint": ck, "updates": int(out["updates"]), "updates_budget": out.get("updates_budget"),
            "stopped_by": out.get("stopped_by"), "train_seconds": float(out["train_seconds"]),
            "env_steps": int(out["env_steps"]), "final": True}

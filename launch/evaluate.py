@@ -166,7 +166,7 @@ def checkpoint_platform(names: list[str], base: SimConfig) -> tuple[SimConfig, l
             ck = load_checkpoint(path)
             try:
                 sim = sim_config_from_dict(ck["config"]["sim"])
-            except (KeyError, TypeError, ConfigError) as e:
+            except (KeyError, TypeError, ValueError, AttributeError) as e:  # ConfigError is a ValueError
                 raise CheckpointError(f"checkpoint {path!r} has no usable simulator config: {e}") from e
             # trace augmentation is training-only: checkpoints trained with and without it
             # run on the same platform (each under its own guard, whose coverage includes it)

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 
 import numpy as np
 import pytest
@@ -363,13 +364,23 @@ def test_saved_configs_load_without_the_removed_experiments(tmp_path):
     save_checkpoint(ck, bad, tr.learner.state_dict(), {"decisions": 0, "env_steps": 0, "updates": 0, "history": []})
     with pytest.raises(CheckpointError, match="net.quantiles=16, an experiment removed"):
         load_policy(ck, cfg.sim)
-    # An experiment removed later names the commit that last had it.
-    ema = json.loads(json.dumps(old))
-    ema["agent"]["policy_ema"] = 0.0
-    assert train_config_from_dict(ema) == cfg
-    ema["agent"]["policy_ema"] = 0.999
-    with pytest.raises(ConfigError, match=r"agent.policy_ema=0.999, an experiment removed after commit 6d02468"):
-        train_config_from_dict(ema)
+    # Experiments removed later (in any section) name the commit that last had them; saved
+    # off (a list where the field was a tuple included), they load.
+    later = json.loads(json.dumps(old))
+    later["agent"]["policy_ema"] = 0.0
+    later["net"]["action_band"] = []
+    later["pref"].update(greedy_tolerance=0.0, oracle_slo="tick")
+    later["guard"]["in_training"] = False
+    assert train_config_from_dict(later) == cfg
+    for section, key, val, commit in (("agent", "policy_ema", 0.999, "43b3d27"),
+                                      ("pref", "oracle_slo", "window", "87e2800"),
+                                      ("guard", "in_training", True, "84ed603"),
+                                      ("net", "action_band", [1, 2], "84ed603")):
+        bad = json.loads(json.dumps(later))
+        bad[section][key] = val
+        msg = f"{section}.{key}={val!r}, an experiment removed after commit {commit}"
+        with pytest.raises(ConfigError, match=re.escape(msg)):
+            train_config_from_dict(bad)
 
 
 def test_a_saved_config_with_keys_this_version_does_not_know_is_refused_naming_them(tmp_path, capsys):
@@ -384,7 +395,8 @@ def test_a_saved_config_with_keys_this_version_does_not_know_is_refused_naming_t
         d = config_to_dict(cfg)
         (d[where] if where else d)[key] = 1
         place = "the top level" if where is None else f"section {where!r}"
-        with pytest.raises(ConfigError, match=rf"unknown config keys at {place}: \['{key}'\]; saved by another version"):
+        msg = f"unknown config keys at {place}: ['{key}']; saved by another (older or newer) version"
+        with pytest.raises(ConfigError, match=re.escape(msg)):
             train_config_from_dict(d)
     d = config_to_dict(cfg)
     d["sim"]["trace"]["new_col"] = "x"
@@ -392,6 +404,10 @@ def test_a_saved_config_with_keys_this_version_does_not_know_is_refused_naming_t
         train_config_from_dict(d)
     del d["sim"]
     with pytest.raises(ConfigError, match="no 'sim' section"):
+        train_config_from_dict(d)
+    d = config_to_dict(cfg)
+    d["agent"] = None
+    with pytest.raises(ConfigError, match="config section 'agent' is NoneType, expected a mapping"):
         train_config_from_dict(d)
     # through a checkpoint file: a CheckpointError naming the file, and the CLIs exit 2 saying so
     tr = LocalTrainer(cfg)
