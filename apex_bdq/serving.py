@@ -386,9 +386,10 @@ def policy_from_checkpoint(path: str | Path, guard: bool = True) -> Policy:
     """The greedy policy of a checkpoint (the file is read once: a replacement racing the
     load cannot mix two versions), under its guard unless guard=False; version = the
     learner's weight version in it."""
-    from apex_bdq.checkpoint import load_checkpoint, network_of
+    from apex_bdq.checkpoint import load_checkpoint, network_of, train_config_of
     ck = load_checkpoint(path)
     net = network_of(ck, path)
+    train_config_of(ck, path)  # its whole config loads in this version, guarded or not
     version = int(ck["learner"].get("version", ck.get("counters", {}).get("updates", 0)))
     return Policy(net.eval(), version, f"checkpoint:{Path(path).resolve()}",
                   guard=guard_of_checkpoint(ck, path) if guard else None)

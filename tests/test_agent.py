@@ -418,8 +418,9 @@ def test_a_saved_config_with_keys_this_version_does_not_know_is_refused_naming_t
     with pytest.raises(CheckpointError, match=rf"checkpoint '{ck}': its config does not load in this version: "
                                               r"unknown config keys at section 'agent': \['new_knob'\]"):
         train_config_of(load_checkpoint(ck), ck)
-    with pytest.raises(CheckpointError, match="new_knob"):
-        policy_from_checkpoint(ck)
+    for guard in (True, False):  # Serve's check before it deploys, with and without the guard
+        with pytest.raises(CheckpointError, match="new_knob"):
+            policy_from_checkpoint(ck, guard=guard)
     capsys.readouterr()
     assert evaluate.main(["--policy", f"checkpoint:{ck}", "--ticks", "4", "--shards", "1", "--no-frontier",
                           "--quiet"]) == 2
