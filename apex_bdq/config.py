@@ -877,13 +877,8 @@ def train_config_from_dict(d: dict) -> TrainConfig:
     cluster = _section(ClusterConfig, d.pop("cluster", None) or {}, "cluster")  # none before 2026-12-02
     guard = _section(GuardConfig, drop_removed_fields("guard", d.pop("guard", None) or {}), "guard")  # none before
     # 2026-12-02 (evening)
-    top = {f.name for f in dataclasses.fields(TrainConfig)} - {"sim", "net", "agent", "pref", "cluster", "guard"}
-    unknown = sorted(set(d) - top)
-    if unknown:
-        raise ConfigError(f"unknown config keys at the top level: {unknown}; saved by another (older or newer) "
-                          "version of apex-bdq")
-    return TrainConfig(sim=sim, net=net, agent=agent, pref=_section(PreferenceConfig, pref, "pref"),
-                       cluster=cluster, guard=guard, **d)
+    return _section(TrainConfig, {**d, "sim": sim, "net": net, "agent": agent, "cluster": cluster, "guard": guard,
+                                  "pref": _section(PreferenceConfig, pref, "pref")}, "train")
 
 
 def _parse_override(key: str, raw: str, hint: Any) -> Any:
