@@ -331,6 +331,13 @@ def run_seed_trial(config: dict) -> None:
 
     m = out["learned"]
     row.update(_judged(m, judge(m)))
+    if whole and fixed.get("select_on_val") and ck:  # the same policy on the validation days, to pick a seed by
+        from apex_bdq.checkpoint import load_policy
+        from apex_bdq.evaluation import evaluate_learned
+        v = evaluate_learned(load_policy(ck, cfg.sim).net, cfg, None, cfg.eval_shards, cfg.final_eval_replicas,
+                             split="val")
+        row.update(_judged(v, yardstick.report(cfg.sim, v, cfg.eval_shards, cfg.final_eval_replicas, split="val"),
+                           "val_"))
     row.update({k: m.get(k) for k in ("guard_clipped_share", "guard_admission_capped_share",
                                       "guard_fallback_share", "guard_floor_raised_share",
                                       "guard_ceiling_lowered_share")})
@@ -338,6 +345,16 @@ def run_seed_trial(config: dict) -> None:
         u = out["learned_unguarded"]
         row.update(_judged(u, judge(u), "unguarded_"))
     tune.report(row)
+
+
+def pick_seed(rows: list[dict]) -> Optional[dict]:
+    """The seed to deploy, chosen on the validation days alone (never the held-out ones): the
+    largest cost saving vs the best rule there, ties to the lower violation rate; None when no
+    seed has a validation saving (outside every frontier, or not evaluated there)."""
+    pool = [r for r in rows if _ok(r.get("val_cost_saving_vs_best_rule"))]
+    if not pool:
+        return None
+    return max(pool, key=lambda r: (r["val_cost_saving_vs_best_rule"], -(r.get("val_slo_violation_rate") or 0.0)))
 
 
 def seed_summary(rows: list[dict], target_gap: float = 0.5) -> dict:
@@ -355,4 +372,8 @@ def seed_summary(rows: list[dict], target_gap: float = 0.5) -> dict:
         out[prefix + "mean_oracle_gap_closed"] = statistics.fmean(ok_g) if ok_g else None
         out[prefix + "mean_cost_saving_vs_best_rule"] = statistics.fmean(ok_s) if ok_s else None
         out[prefix + "sd_cost_saving_vs_best_rule"] = statistics.stdev(ok_s) if len(ok_s) > 1 else None
+    best = pick_seed(rows)
+    out["selected_seed"] = None if best is None else best["seed"]
+    for k in ("val_cost_saving_vs_best_rule", "cost_saving_vs_best_rule", "oracle_gap_closed", "slo_violation_rate"):
+        out["selected_" + k] = None if best is None else best.get(k)
     return out

@@ -23,6 +23,7 @@ random numbers), and so does every policy evaluated with the same shards, copies
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -303,15 +304,35 @@ def cache_dir() -> Path:
     return Path(base) / "yardstick"
 
 
+@functools.lru_cache(maxsize=64)
+def _file_digest(path: str, size: int, mtime_ns: int) -> str:
+    """sha256 of a trace file's bytes (memoised per path, size and mtime within a process)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def trace_digest(path: str) -> str:
+    """What identifies a trace in the cache key: its content. Not its path or mtime: the same
+    bytes copied elsewhere, checked out again or re-downloaded (a new mtime) are the same
+    trace, and their frontiers are not swept again."""
+    src = Path(path).resolve()
+    st = src.stat()
+    return _file_digest(str(src), st.st_size, st.st_mtime_ns)
+
+
 def _key(cfg: SimConfig, shards: int, replicas: int, seed: int, split: str, ticks: Optional[int]) -> str:
     import dataclasses
     from apex_bdq.sim.platform import make_rates
     rates = make_rates(cfg)
     d = dataclasses.asdict(cfg.replace(num_shards=1, seed=0))
     d.pop("augment", None)  # training-time only: no evaluation reshapes the trace
-    src = Path(rates.source)
-    st = src.stat()
-    blob = json.dumps({"cfg": d, "trace": [str(src.resolve()), st.st_size, st.st_mtime_ns], "shards": shards,
+    d["trace"].pop("path", None)  # the trace is identified by its content (below)
+    if split == "eval":  # the held-out range and the rates' scaling do not move with the validation days
+        d["trace"].pop("validation_fraction", None)
+    blob = json.dumps({"cfg": d, "trace_sha256": trace_digest(rates.source), "shards": shards,
                        "replicas": replicas, "seed": seed, "split": split, "ticks": ticks, "code": _code_stamp(),
                        "version": YARDSTICK_VERSION}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
@@ -354,11 +375,11 @@ def frontiers(cfg: SimConfig, shards: int, replicas: int, seed: int = 12345, spl
 
 
 def report(cfg: SimConfig, m: dict, shards: int, replicas: int, ticks: Optional[int] = None,
-           seed: int = 12345, log: Optional[Callable[[str], None]] = None) -> dict:
-    """The yardstick of one policy evaluated with metrics `m` on `cfg`'s held-out range with
-    this layout (the frontiers come from the cache or are computed): judge()'s figures plus
-    the headroom, or {"refused": reason}."""
-    f = frontiers(cfg, shards, replicas, seed=seed, ticks=ticks, log=log)
+           seed: int = 12345, log: Optional[Callable[[str], None]] = None, split: str = "eval") -> dict:
+    """The yardstick of one policy evaluated with metrics `m` on `cfg`'s range `split` (the
+    held-out days; "val": the validation days) with this layout (the frontiers come from the
+    cache or are computed): judge()'s figures plus the headroom, or {"refused": reason}."""
+    f = frontiers(cfg, shards, replicas, seed=seed, split=split, ticks=ticks, log=log)
     try:
         check_resolution(f["frontiers"], m["slo_windows"])
     except YardstickError as e:

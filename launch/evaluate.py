@@ -2,7 +2,8 @@
 
     python -m launch.evaluate [--policy all|NAME,...|all,checkpoint:PATH] [--trace CSV|shared]
         [--platform v2|v1] [--columns COL ...] [--interval-s S] [--shards N] [--replicas R]
-        [--ticks N] [--json PATH] [--plot PNG] [--series PNG] [--no-frontier] [--no-cache] [--ladder]
+        [--ticks N] [--split eval|val] [--json PATH] [--plot PNG] [--series PNG] [--no-frontier]
+        [--no-cache] [--ladder]
 
 For every policy: cost and SLO-violation rate (late + refused work) with standard errors
 over the segments of the range; against the frontier of every rule swept over its setting
@@ -22,6 +23,10 @@ reading the rate as late as monitoring does, then also holding capacity as HPA d
 headroom rate every rung's cost and the share of the gap it still closes (JSON
 `oracle_ladder`). The last rung is a reactive rule that knows the true rate: what separates
 it from the best rule is measuring that rate from arrivals, which no policy escapes.
+
+`--split val` judges on the validation days instead (the last 15 % of the days before the
+held-out ones, which training never sees): the range to choose between checkpoints on (a
+seed, a sweep's trial) without looking at the held-out days; the frontiers are swept there.
 
 A comparison rests on the settled class-windows of the range; with too few to tell the
 rules' settings apart (a short or very bursty trace) it is refused with the reason, not
@@ -198,22 +203,23 @@ def policy_names(spec: str, platform: str) -> list[str]:
 
 
 def run_trace(cfg: SimConfig, policies: list[str], shards: int, ticks: Optional[int],
-              show_progress: bool, replicas: int = 1) -> dict[str, EvalResult]:
+              show_progress: bool, replicas: int = 1, split: str = "eval") -> dict[str, EvalResult]:
     out = {}
     for name in policies:
         pol = make_policy(name, cfg)
         out[name] = evaluate_policy(pol, cfg, shards=shards, ticks=ticks, progress=_Progress(name, show_progress),
-                                    replicas=replicas)
+                                    replicas=replicas, split=split)
         if hasattr(pol, "shares"):  # under a guard: how often it bounded or replaced the decision
             out[name].metrics.update(pol.shares())
     return out
 
 
 def judge_all(cfg: SimConfig, metrics: dict[str, dict], shards: int, replicas: int, ticks: Optional[int],
-              use_cache: bool, show_progress: bool) -> dict:
-    """Frontiers for `cfg`, the yardstick of every policy in `metrics` (added in place under
-    "yardstick"), the headroom; {"refused": reason} when the range cannot tell policies apart."""
-    f = ys.frontiers(cfg, shards, replicas, ticks=ticks, use_cache=use_cache,
+              use_cache: bool, show_progress: bool, split: str = "eval") -> dict:
+    """Frontiers for `cfg` on `split`, the yardstick of every policy in `metrics` (added in
+    place under "yardstick"), the headroom; {"refused": reason} when the range cannot tell
+    policies apart."""
+    f = ys.frontiers(cfg, shards, replicas, split=split, ticks=ticks, use_cache=use_cache,
                      log=(lambda s: print(f"  {s}", file=sys.stderr, flush=True)) if show_progress else None,
                      progress_for=lambda rule: _Progress(rule, show_progress))
     windows = next(iter(metrics.values()))["slo_windows"]
@@ -306,7 +312,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="centred moving average over the trace's rows before scaling (default: 300 s for the "
                          "bundled NASA trace, 0 for other files; see TraceConfig.smooth_s)")
     ap.add_argument("--shards", type=int, help="segments of the range per copy (default: 64 on v2, 8 on v1)")
-    ap.add_argument("--ticks", type=int, help="ticks per segment (default: cover the held-out range)")
+    ap.add_argument("--ticks", type=int, help="ticks per segment (default: cover the range)")
+    ap.add_argument("--split", choices=("eval", "val"), default="eval",
+                    help="the range: the held-out days (eval, default) or the validation days before them "
+                         "(val: to choose a checkpoint without looking at the held-out days)")
     ap.add_argument("--replicas", type=int,
                     help="cover the range this many times, each with its own arrivals (default: 2 on v2, 1 on v1)")
     ap.add_argument("--json", help="write the metrics, frontiers and yardstick here")
@@ -365,10 +374,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         try:
             cfg = platform.replace(trace=TraceConfig(path=str(path) if path else None, columns=cols,
                                                      interval_s=a.interval_s, smooth_s=a.smooth_s))
-            results = run_trace(cfg, names, shards, a.ticks, show, replicas)
+            results = run_trace(cfg, names, shards, a.ticks, show, replicas, a.split)
             metrics = {n: r.metrics for n, r in results.items()}
             judged = None if a.no_frontier else judge_all(cfg, metrics, shards, replicas, a.ticks,
-                                                          not a.no_cache, show)
+                                                          not a.no_cache, show, a.split)
         except (TraceError, ConfigError, CheckpointError, ValueError) as e:
             print(f"error: {label}: {e}", file=sys.stderr)
             if len(traces) == 1:
@@ -380,7 +389,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         copies = f", {replicas} copies with their own arrivals" if replicas > 1 else ""
         title = (f"\n{label}: {first['range']}; {shards} segments x {first['ticks']:,} ticks{copies}; "
                  f"{first['slo_windows']:,} settled class-windows per policy")
-        entry: dict = {"policies": metrics, "range": first["range"], "rate_columns": first.get("rate_columns"),
+        entry: dict = {"policies": metrics, "split": a.split, "range": first["range"], "rate_columns": first.get("rate_columns"),
                        "slo_windows": first["slo_windows"],
                        "floor_cost": first.get("offered_cost")}
         if judged is not None and "refused" in judged:
@@ -408,7 +417,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 if a.ladder:
                     rates = tuple(h["slo_violation_rate"] for h in judged.get("headroom", [])) or HEADROOM_RATES
                     entry["oracle_ladder"] = ys.ladder(
-                        cfg, judged["frontiers"], shards, replicas, rates, first["slo_windows"], ticks=a.ticks,
+                        cfg, judged["frontiers"], shards, replicas, rates, first["slo_windows"], split=a.split,
+                        ticks=a.ticks,
                         log=(lambda s: print(f"  {s}", file=sys.stderr, flush=True)) if show else None)
                     print_ladder(entry["oracle_ladder"])
             else:

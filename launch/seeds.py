@@ -3,7 +3,7 @@ held-out days with the yardstick.
 
     python -m launch.seeds [--preset default] [--seeds K | --seed-list 0,1,2] [--updates N]
         [--minutes M] [--set KEY=VALUE ...] [--trace CSV] [--json PATH] [--storage DIR]
-        [--name NAME] [--max-concurrent C] [--num-actors A] [--quiet]
+        [--name NAME] [--max-concurrent C] [--num-actors A] [--no-select] [--quiet]
 
 Every seed is one Ape-X run (`launch.train`'s, with `--seed`) at the preset's budget in
 learner updates (`--updates` overrides it; `--minutes` caps the wall time, 3x the preset's by default), trials one after
@@ -15,8 +15,13 @@ cost and SLO violation rate, refused share, cost saving vs the best rule at equa
 rate, the share of the best-rule -> oracle gap closed, the guard's shares; then how many
 seeds meet the target (>= 50 % of the gap by default, `--target-gap`). Each seed's
 checkpoint is kept for `launch.evaluate`: STORAGE/NAME/checkpoints/seed_N.pt, written when the
-trial's training has ended (seed_N.pt.partial while it trains). JSON keys:
-`seeds` (one row per seed), `summary`, `command`.
+trial's training has ended (seed_N.pt.partial while it trains).
+
+The seed to deploy is picked on the validation days (the last 15 % of the days before the
+held-out ones; no seed trains on them): each seed's guarded policy is judged there with the
+yardstick too (`val_*` keys), and the one with the largest saving there is named with its
+held-out figures (`summary.selected_*`). The held-out days play no part in the choice.
+`--no-select` skips it. JSON keys: `seeds` (one row per seed), `summary`, `command`.
 """
 
 from __future__ import annotations
@@ -40,7 +45,8 @@ COLUMNS = (("seed", "seed", "{}"), ("updates", "updates", "{:,}"), ("stopped_by"
            ("guard_ceiling_lowered_share", "ceiling lowered", "{:.1%}"),
            ("unguarded_cost_saving_vs_best_rule", "no guard: saving", "{:+.1%}"),
            ("unguarded_oracle_gap_closed", "no guard: gap closed", "{:.0%}"),
-           ("unguarded_slo_violation_rate", "no guard: violation", "{:.4f}"))
+           ("unguarded_slo_violation_rate", "no guard: violation", "{:.4f}"),
+           ("val_cost_saving_vs_best_rule", "validation days: saving", "{:+.1%}"))
 
 
 def cell(v, fmt: str) -> str:
@@ -97,6 +103,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--trial-cpus", type=float, default=0.5)
     ap.add_argument("--actor-cpus", type=float, default=0.5)
     ap.add_argument("--learner-cpus", type=float, default=0.5)
+    ap.add_argument("--no-select", action="store_true",
+                    help="do not judge the seeds on the validation days nor pick one there")
     ap.add_argument("--no-dashboard", action="store_true", help=NO_DASHBOARD_HELP)
     ap.add_argument("--quiet", action="store_true")
     a = ap.parse_args(argv)
@@ -119,7 +127,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                  "max_reports": 1, "num_actors": a.num_actors, "num_learners": a.num_learners,
                  "backend": a.backend, "num_replay_shards": 1, "trial_cpus": a.trial_cpus,
                  "actor_cpus": a.actor_cpus, "learner_cpus": a.learner_cpus,
-                 "checkpoint_dir": str(Path(a.storage).resolve() / a.name / "checkpoints")}
+                 "checkpoint_dir": str(Path(a.storage).resolve() / a.name / "checkpoints"), "select_on_val": False}
         cfg = trial_train_config({"fixed": fixed, "space": {"seed": seeds[0]}})  # fails on a bad override here
         if cfg.sim.platform != "v2":
             raise ConfigError("a seed table judges with platform v2's yardstick: the preset must be a v2 one")
@@ -133,6 +141,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     log = None if a.quiet else (lambda s: print(f"yardstick: {s}", file=sys.stderr, flush=True))
     if cfg.final_eval_ticks is None:  # else (a smoke preset) no yardstick: cost and violation rate only
         yardstick.frontiers(cfg.sim, cfg.eval_shards, cfg.final_eval_replicas, log=log)
+        if not a.no_select and cfg.sim.trace.validation_fraction > 0:
+            yardstick.frontiers(cfg.sim, cfg.eval_shards, cfg.final_eval_replicas, split="val",
+                                log=None if log is None else (lambda s: log(f"validation days: {s}")))
+            fixed["select_on_val"] = True
     guard_for(cfg)
 
     import ray
@@ -159,7 +171,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             errors.append({"seed": (res.config or {}).get("space", {}).get("seed"), "error": str(res.error)})
             continue
         rows.append({k: v for k, v in res.metrics.items() if k in {c for c, _, _ in COLUMNS} or k.startswith(
-            ("unguarded_", "guard_")) or k in ("updates_budget", "train_seconds", "env_steps", "checkpoint",
+            ("unguarded_", "guard_", "val_")) or k in ("updates_budget", "train_seconds", "env_steps", "checkpoint",
                                                "violation_ratio_vs_best_rule", "best_rule_at_violation_rate")})
     rows.sort(key=lambda r: r["seed"])
     summary = seed_summary(rows, a.target_gap)
@@ -177,6 +189,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"without it: {summary['unguarded_seeds_meeting_gap_target']} of {len(seeds)} close the target, "
           f"{summary['unguarded_seeds_beating_best_rule']} beat the best rule; mean saving "
           f"{cell(summary['unguarded_mean_cost_saving_vs_best_rule'], '{:+.1%}')}")
+    if fixed["select_on_val"]:
+        sel = summary["selected_seed"]
+        if sel is None:
+            print("picked on the validation days: none (no seed has a saving there: outside every frontier)")
+        else:
+            print(f"picked on the validation days (held-out days unseen): seed {sel}, saving there "
+                  f"{cell(summary['selected_val_cost_saving_vs_best_rule'], '{:+.1%}')}; on the held-out days: saving "
+                  f"{cell(summary['selected_cost_saving_vs_best_rule'], '{:+.1%}')}, gap closed "
+                  f"{cell(summary['selected_oracle_gap_closed'], '{:.0%}')}")
     if a.json:
         write_json(a.json, {"seeds": rows, "errors": errors, "summary": summary, "wall_seconds": wall,
                             "command": "python -m launch.seeds " + " ".join(argv if argv is not None else sys.argv[1:])})

@@ -33,7 +33,7 @@ def test_evaluate_judges_every_policy_against_the_rules_frontiers(tmp_path, caps
     (the oracle included), the headroom lines and the frontier plot."""
     trace = daily_trace(days=2)
     out, png = tmp_path / "eval.json", tmp_path / "frontiers.png"
-    rc = evaluate.main(["--trace", str(trace), "--shards", "4", "--replicas", "1", "--json", str(out),
+    rc = evaluate.main(["--trace", str(trace), "--shards", "16", "--replicas", "1", "--json", str(out),
                         "--plot", str(png), "--quiet"])
     assert rc == 0
     res = json.loads(out.read_text())
@@ -53,11 +53,21 @@ def test_evaluate_judges_every_policy_against_the_rules_frontiers(tmp_path, caps
     text = capsys.readouterr().out
     assert "saving vs best rule" in text and "frontiers (each rule swept" in text and "headroom at" in text
     # The second run takes the frontiers from the cache.
-    assert evaluate.main(["--trace", str(trace), "--shards", "4", "--replicas", "1", "--policy", "hpa",
+    assert evaluate.main(["--trace", str(trace), "--shards", "16", "--replicas", "1", "--policy", "hpa",
                           "--json", str(out), "--quiet"]) == 0
     again = json.loads(out.read_text())
     assert again["cached"] is True and again["frontiers"] == res["frontiers"]
     assert again["policies"]["hpa"]["cost"] == pol["hpa"]["cost"]
+    # `--split val`: the validation days before the held-out ones (judged there in the seed
+    # table's test, tests/test_tune.py: this range is too short to resolve the frontiers)
+    val = tmp_path / "val.json"
+    assert evaluate.main(["--trace", str(trace), "--shards", "16", "--replicas", "1", "--policy", "hpa,predictive",
+                          "--split", "val", "--no-frontier", "--json", str(val), "--quiet"]) == 0
+    v = json.loads(val.read_text())
+    assert res["split"] == "eval" and v["split"] == "val" and v["range"] != res["range"]
+    assert v["range"].startswith("val ticks") and res["range"].startswith("eval ticks")
+    for name in ("hpa", "predictive"):
+        assert v["policies"][name]["cost"] != pol[name]["cost"]
 
 
 @pytest.mark.slow
@@ -69,7 +79,7 @@ def test_train_ends_with_the_yardstick_and_launch_evaluate_agrees(tmp_path, caps
     trace = daily_trace(days=2)
     out, ck = tmp_path / "train.json", tmp_path / "ck.pt"
     assert train.main(["--local", "--preset", "smoke", "--trace", str(trace), "--set", "final_eval_ticks=none",
-                       "--set", "eval_shards=4", "--set", "final_eval_replicas=1", "--json", str(out),
+                       "--set", "eval_shards=16", "--set", "final_eval_replicas=1", "--json", str(out),
                        "--checkpoint", str(ck), "--quiet"]) == 0
     text = capsys.readouterr().out
     y = json.loads(out.read_text())["yardstick"]
@@ -82,7 +92,7 @@ def test_train_ends_with_the_yardstick_and_launch_evaluate_agrees(tmp_path, caps
         verdict = "beats" if y["cost_saving_vs_best_rule"] > 0 else "does not beat"
         assert f"learned policy {verdict} the best rule's frontier" in text
     ev = tmp_path / "eval.json"
-    assert evaluate.main(["--trace", str(trace), "--shards", "4", "--replicas", "1", "--policy",
+    assert evaluate.main(["--trace", str(trace), "--shards", "16", "--replicas", "1", "--policy",
                           f"checkpoint:{ck},checkpoint-unguarded:{ck}", "--json", str(ev), "--quiet"]) == 0
     pol = json.loads(ev.read_text())["policies"]
     m, bare = pol[f"checkpoint:{ck}"], pol[f"checkpoint-unguarded:{ck}"]

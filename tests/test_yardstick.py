@@ -83,14 +83,41 @@ def test_comparisons_with_too_few_windows_or_alike_settings_are_refused():
     ys.check_resolution({"rule": RULE, "a": alike}, 50_000)  # one rule that separates is enough
 
 
+def test_the_frontier_cache_knows_a_trace_by_its_content_not_its_path_or_mtime(daily_trace, tmp_path):
+    """A trace copied elsewhere, or checked out again (a new mtime), keys the same frontiers;
+    changed bytes or another layout key new ones."""
+    import os
+    import shutil
+
+    def key(path, shards=4):
+        cfg = SimConfig(trace=TraceConfig(path=str(path), columns=("requests",), smooth_s=0.0))
+        return ys._key(cfg, shards, 1, 12345, "eval", None)
+
+    a = daily_trace(days=2, name="a.csv")
+    (tmp_path / "elsewhere").mkdir()
+    b = shutil.copy(a, tmp_path / "elsewhere" / "b.csv")
+    os.utime(b, ns=(1_000_000_000, 1_000_000_000))
+    assert key(a) == key(b)
+    other = daily_trace(days=2, name="c.csv", seed=1)
+    assert key(other) != key(a)
+    assert key(a, shards=8) != key(a)
+    # the validation days' share moves the validation range, not the held-out one
+    vf = SimConfig(trace=TraceConfig(path=str(a), columns=("requests",), smooth_s=0.0, validation_fraction=0.3))
+    assert ys._key(vf, 4, 1, 12345, "eval", None) == key(a)
+    assert ys._key(vf, 4, 1, 12345, "val", None) != ys._key(vf.replace(trace=TraceConfig(
+        path=str(a), columns=("requests",), smooth_s=0.0)), 4, 1, 12345, "val", None)
+    shutil.copy(other, b)  # the same path, new bytes
+    assert key(b) != key(a)
+
+
 @pytest.mark.slow
 def test_the_oracle_is_never_worse_than_every_rule_at_its_own_violation_rate(daily_trace):
     """On a test trace (two days, a daily cycle and bursts), the oracle's frontier lies below
     every rule's wherever both are defined, and its default point beats the best rule."""
     cfg = SimConfig(trace=TraceConfig(path=str(daily_trace(days=2)), columns=("requests",), smooth_s=0.0))
-    fronts = {r: ys.sweep(r, cfg, vals, shards=4, replicas=1) for r, (_, vals) in
+    fronts = {r: ys.sweep(r, cfg, vals, shards=16, replicas=1) for r, (_, vals) in
               (("hpa", ys.SWEEPS_V2["hpa"]), ("predictive", ys.SWEEPS_V2["predictive"]))}
-    oracle = ys.sweep("oracle", cfg, ys.ORACLE_SWEEP[1], shards=4, replicas=1)
+    oracle = ys.sweep("oracle", cfg, ys.ORACLE_SWEEP[1], shards=16, replicas=1)
     windows = oracle[0]["slo_windows"]
     assert windows >= ys.MIN_WINDOWS
     ys.check_resolution(fronts, windows)
@@ -98,14 +125,14 @@ def test_the_oracle_is_never_worse_than_every_rule_at_its_own_violation_rate(dai
         rule, c = ys.best_rule_cost(fronts, p["slo_violation_rate"], 0.5 / windows)
         if c is not None:
             assert p["cost"] <= c, (p, rule, c)
-    m = evaluate_policy(Oracle(), cfg, shards=4, replicas=1).metrics
+    m = evaluate_policy(Oracle(), cfg, shards=16, replicas=1).metrics
     j = ys.judge(m, fronts, oracle)
     assert j["cost_saving_vs_best_rule"] > 0 and j["oracle_gap_closed"] == pytest.approx(1.0)
     # A rule's default point is on its own frontier: no saving against itself.
-    h = evaluate_policy(HPA(), cfg, shards=4, replicas=1).metrics
+    h = evaluate_policy(HPA(), cfg, shards=16, replicas=1).metrics
     assert ys.judge(h, {"hpa": fronts["hpa"]}, oracle)["cost_saving_vs_best_rule"] == pytest.approx(0.0, abs=1e-9)
     # Every setting of a sweep met the same arrivals as a single run of that setting.
-    p = evaluate_policy(Predictive(margin=1.2), cfg, shards=4, replicas=1).metrics
+    p = evaluate_policy(Predictive(margin=1.2), cfg, shards=16, replicas=1).metrics
     assert p["cost"] == pytest.approx(fronts["predictive"][2]["cost"])
     assert p["slo_violation_rate"] == fronts["predictive"][2]["slo_violation_rate"]
 
@@ -146,7 +173,7 @@ def test_evaluate_ladder_splits_the_oracles_room(daily_trace, tmp_path, monkeypa
     monkeypatch.setenv("APEX_BDQ_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "ladder.json"
     rc = evaluate.main(["--policy", "predictive", "--trace", str(daily_trace(days=2)), "--columns", "requests",
-                        "--shards", "4", "--replicas", "1", "--ladder", "--json", str(out), "--quiet"])
+                        "--shards", "16", "--replicas", "1", "--ladder", "--json", str(out), "--quiet"])
     assert rc == 0
     res = json.loads(out.read_text())
     rungs = res["oracle_ladder"]
