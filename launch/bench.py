@@ -537,16 +537,19 @@ PREFERENCE_VARIANTS = {
 def _overload_reference(net, cfg, decisions: int, seed: int) -> dict:
     """How much overload is left to take away by steering exploration: on the training-range
     simulator of the runs (its own arrival seed), the run's final greedy policy with no
-    exploration at all, and the most cautious constant action (top capacity tier; v2: the
-    longest hold, admit all; v1: fastest servers, middle priority and admission levels)
-    with its reward. Both measures: shard-ticks above the utilisation threshold, and the
-    share of settled class-windows whose SLO broke."""
+    exploration at all, the same network with the run's epsilon ladder, unsteered (what
+    exploration's own draws add at the end of the run), and the most cautious constant
+    action (top capacity tier; v2: the longest hold, admit all; v1: fastest servers, middle
+    priority and admission levels) with its reward. Both measures: shard-ticks above the
+    utilisation threshold, and the share of settled class-windows whose SLO broke."""
     from actors.rollout import RolloutWorker
     from apex_bdq.sim import make_sim
     S, n = cfg.sim.num_shards, cfg.sim.sub_actions
     w = RolloutWorker(cfg.sim, cfg.agent, net, epsilons=np.zeros(S), seed=seed + 1000)
+    x = RolloutWorker(cfg.sim, cfg.agent, net, seed=seed + 1000)  # the epsilon ladder, no steer
     for _ in range(decisions):
         w.step()
+        x.step()
     sim = make_sim(cfg.sim.replace(seed=seed + 1000))
     sim.reset(seed=seed + 1000)
     a = np.full((S, cfg.sim.num_branches), n // 2)
@@ -570,6 +573,8 @@ def _overload_reference(net, cfg, decisions: int, seed: int) -> dict:
     return {"greedy_overload_rate": w.overload_ticks / max(w.env_steps, 1),
             "cautious_constant_overload_rate": over / ticks, "cautious_constant_reward": reward / ticks,
             "greedy_breach_rate": w.breached_windows / max(w.settled_windows, 1),
+            "final_explorer_overload_rate": x.overload_ticks / max(x.env_steps, 1),
+            "final_explorer_breach_rate": x.breached_windows / max(x.settled_windows, 1),
             "cautious_constant_breach_rate": broke / max(settled, 1)}
 
 
@@ -635,9 +640,10 @@ def bench_preference(updates: int, variants: list[str], extra: list[str], seed: 
     # under it (5e-5 of the explorer's shard-ticks, docs/learning_v2.md section 6) and the
     # overload that reaches users is the SLO breach: the share of settled class-windows
     # whose p99 broke its SLO, what the yardstick counts.
-    risk, floor_key, greedy_key = (("exploration_breach_rate", "cautious_constant_breach_rate", "greedy_breach_rate")
-                                   if v2 else ("exploration_overload_rate", "cautious_constant_overload_rate",
-                                               "greedy_overload_rate"))
+    risk, floor_key, greedy_key, final_key = (
+        ("exploration_breach_rate", "cautious_constant_breach_rate", "greedy_breach_rate", "final_explorer_breach_rate")
+        if v2 else ("exploration_overload_rate", "cautious_constant_overload_rate", "greedy_overload_rate",
+                    "final_explorer_overload_rate"))
     measure = "broken SLO windows" if v2 else "overload ticks"
     print(f"\n{'variant':<14}{'overload':>10}{'breaches':>10}{'greedy only':>13}{'eval reward':>13}{'SLO viol':>10}"
           f"{'pairs':>7}{'held-out acc':>14}")
@@ -650,6 +656,9 @@ def bench_preference(updates: int, variants: list[str], extra: list[str], seed: 
     print(f"most cautious constant action (top capacity tier; v2: longest hold, admit all; v1: fastest servers): "
           f"overload {first['cautious_constant_overload_rate']:.4f}, broken windows "
           f"{first['cautious_constant_breach_rate']:.4f}, reward {first['cautious_constant_reward']:.4f}")
+    for name, r in rows.items():
+        print(f"{name}: the final network alone {r[greedy_key]:.4f} {measure}, with the epsilon ladder (unsteered) "
+              f"{r[final_key]:.4f}; over the run's exploration {r[risk]:.4f}")
     out = {"updates_per_run": updates, "variants": rows,
            "overload_measure": ("share of settled class-windows whose SLO broke" if v2 else
                                 f"share of shard-ticks above utilisation {base.pref.overload_utilisation}")}
@@ -672,6 +681,12 @@ def bench_preference(updates: int, variants: list[str], extra: list[str], seed: 
                    cost_saving_without=wo["cost_saving_vs_best_rule"], cost_saving_with=w["cost_saving_vs_best_rule"])
         floor = wo[floor_key]
         avoidable = wo[risk] - floor
+        # What exploration's own draws add at the end of the run, as a share of the avoidable:
+        # the part a steer on exploratory draws alone can take away (the rest is the
+        # behaviour policy's greedy choices over the run).
+        out["final_explorer_without"] = wo[final_key]
+        out["exploration_draws_share"] = ((wo[final_key] - wo[greedy_key]) / avoidable if avoidable > 0
+                                          else float("nan"))
         out["avoidable_overload_removed"] = (wo[risk] - w[risk]) / avoidable if avoidable > 0 else float("nan")
         # The same after pref.warmup_updates, the stretch where the steer acts (before it both
         # runs explore unsteered): v2's broken windows only.

@@ -293,6 +293,20 @@ def test_rollout_counts_the_slo_windows_its_exploration_breaks():
     assert w.breached_windows == seen["broke"] > 0
 
 
+def test_overload_reference_of_the_preference_bench():
+    """`launch.bench preference`'s references on one network: its greedy policy alone, the
+    same with the epsilon ladder (what exploration's own draws add) and the most cautious
+    constant action, each a rate over settled class-windows (v2) and shard-ticks."""
+    from launch.bench import _overload_reference
+    cfg = PRESETS["smoke"]
+    net = Learner(cfg.net, cfg.agent).net
+    ref = _overload_reference(net, cfg, 30, seed=0)
+    for k in ("greedy", "final_explorer", "cautious_constant"):
+        assert 0.0 <= ref[f"{k}_breach_rate"] <= 1.0 and 0.0 <= ref[f"{k}_overload_rate"] <= 1.0, k
+    again = _overload_reference(net, cfg, 30, seed=0)
+    assert again == ref  # seeded: the bench's reference rows repeat
+
+
 def test_initial_policy_default_starts_from_the_platforms_default_setting():
     """agent.initial_policy="default": the untrained network's greedy choice is the
     platform's default setting on any observation (the local learner and the Ape-X
