@@ -93,7 +93,6 @@ class RolloutWorker:
         self.pref = pref_cfg if pref_cfg is not None and pref_cfg.enabled else None
         self.steer_temperature = self.pref.temperature if (self.pref is not None and self.pref.explore_softmax
                                                            and net.pref is not None) else 0.0
-        self.steer_greedy = self.pref.steer_greedy if self.pref is not None and net.pref is not None else 0.0
         self.explorer = Explorer(sim_cfg.num_shards, sim_cfg.num_branches, self.eps, self.rng)
         self.shaping_weight = self.pref.shaping if self.pref is not None and net.pref is not None else 0.0
         self.shaping = 0.0  # on once the head is trained (set_preference_active)
@@ -127,7 +126,6 @@ class RolloutWorker:
         """Steer exploration and shape rewards with the preference head from now on (the
         caller decides when the head is trained: pref.warmup_updates learner updates)."""
         self.explorer.temperature = self.steer_temperature if active else 0.0
-        self.explorer.greedy_weight = self.steer_greedy if active else 0.0
         self.shaping = self.shaping_weight if active else 0.0
         self._q = None  # the cached pass may lack the utilities now needed
 
@@ -136,7 +134,7 @@ class RolloutWorker:
         self._q = None
 
     def _evaluate(self, obs) -> None:
-        want_u = self.shaping > 0 or self.explorer.wants_utilities
+        want_u = self.shaping > 0 or self.explorer.temperature > 0
         self._q, self._u = act_values(self.net, obs.macro, obs.micro, want_u)
 
     def step(self) -> Optional[Transitions]:

@@ -527,10 +527,6 @@ class PreferenceConfig:
     temperature: float = 0.3
     """Temperature of that softmax, in utility units (a segment score is split over T x D
     utility terms, so one term is small)."""
-    steer_greedy: float = 0.0
-    """kappa: during training the rollouts' greedy choices are argmax_a Q_d(a) + kappa u_d(z, a)
-    instead of argmax Q (the behaviour policy leans to what the head ranks safer; the
-    learned policy that is evaluated and served stays argmax Q). 0 = off."""
     warmup_updates: int = 2000
     """Exploration and shaping use the utilities only once the learner has made this many
     updates (an untrained head would steer at random)."""
@@ -582,8 +578,6 @@ class PreferenceConfig:
         _check(self.beta >= 0, f"pref.beta must be >= 0, got {self.beta!r}")
         _check(self.temperature > 0, f"pref.temperature must be > 0, got {self.temperature!r}")
         _check(self.shaping >= 0, f"pref.shaping must be >= 0, got {self.shaping!r}")
-        _check(isinstance(self.steer_greedy, (int, float)) and 0 <= self.steer_greedy < float("inf"),
-               f"pref.steer_greedy must be a finite number >= 0, got {self.steer_greedy!r}")
         for name in ("segment_decisions", "segments_per_emit", "store_segments", "oracle_every",
                      "query_candidates", "batch_pairs", "min_pairs", "update_every", "warmup_updates"):
             _check(getattr(self, name) >= 1, f"pref.{name} must be >= 1, got {getattr(self, name)!r}")
@@ -821,7 +815,8 @@ REMOVED_FIELDS: dict[str, dict[str, tuple[Any, str]]] = {
               "slo_target_vs_hpa": (None, _A1), "slo_penalty_step": (_ANY, _A1), "slo_penalty_bounds": (_ANY, _A1),
               "explore_hold_mu": (0.0, _A1), "explore_max_hold": (_ANY, _A1),
               "policy_ema": (0.0, "43b3d27")},
-    "pref": {"greedy_tolerance": (0.0, "c166e8d"), "oracle_slo": ("tick", "87e2800")},
+    "pref": {"greedy_tolerance": (0.0, "c166e8d"), "oracle_slo": ("tick", "87e2800"),
+             "steer_greedy": (0.0, "15b07fd")},
     "guard": {"in_training": (False, "84ed603")},
     "train": {"constraint_every_s": (_ANY, _A1), "constraint_shards": (_ANY, _A1), "constraint_replicas": (_ANY, _A1),
               "constraint_ticks": (_ANY, _A1), "select_every_s": (None, _A1), "select_violation_vs_hpa": (_ANY, _A1)},

@@ -228,31 +228,24 @@ def act_values(net: BDQNetwork, macro: np.ndarray, micro: np.ndarray, want_u: bo
 
 class Explorer:
     """Per-branch epsilon-greedy over S shards: each branch explores on its own with its
-    shard's eps, optionally steered by the preference head: exploratory sub-actions drawn
-    from a softmax over its utilities (not uniformly), and the greedy choice made on
-    Q + greedy_weight x u instead of Q alone."""
+    shard's eps, optionally steered by the preference head (softmax over its utilities, not
+    uniform)."""
 
     def __init__(self, num_shards: int, num_branches: int, eps: np.ndarray, rng: np.random.Generator,
-                 softmax_temperature: float = 0.0, greedy_weight: float = 0.0) -> None:
+                 softmax_temperature: float = 0.0) -> None:
         self.eps = np.asarray(eps, dtype=np.float64)
         if self.eps.shape != (num_shards,):
             raise ValueError(f"epsilons must be one per shard ({num_shards}), got {self.eps.shape}")
         self.rng = rng
         self.temperature = float(softmax_temperature)
-        self.greedy_weight = float(greedy_weight)
         self.utilities: Optional[np.ndarray] = None  # [S, D, n] of the last act, when computed
 
     def act(self, net: BDQNetwork, macro: np.ndarray, micro: np.ndarray,
             want_utilities: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Returns (actions [S, D] int64, q [S, D, n] float32); the preference utilities of
         the same pass are left in `self.utilities` (None without a head)."""
-        q, u = act_values(net, macro, micro, want_utilities or self.wants_utilities)
+        q, u = act_values(net, macro, micro, want_utilities or self.temperature > 0)
         return self.choose(q, u), q
-
-    @property
-    def wants_utilities(self) -> bool:
-        """Whether choosing needs the preference utilities."""
-        return self.temperature > 0 or self.greedy_weight > 0
 
     def choose(self, q: np.ndarray, u: Optional[np.ndarray] = None) -> np.ndarray:
         """Actions [S, D] from Q-values [S, D, n] computed already (and the preference
@@ -261,5 +254,4 @@ class Explorer:
         soft = u if self.temperature > 0 else None
         S, D, n = q.shape
         explore = self.rng.random((S, D)) < self.eps[:, None]
-        greedy = (q + self.greedy_weight * u if self.greedy_weight > 0 and u is not None else q).argmax(-1)
-        return np.where(explore, _explore_choice(self.rng, (S, D), n, soft, self.temperature), greedy)
+        return np.where(explore, _explore_choice(self.rng, (S, D), n, soft, self.temperature), q.argmax(-1))

@@ -509,25 +509,6 @@ def test_exploration_draws_from_the_preference_softmax():
     assert (greedy.act(net, macro, micro)[0] == 0).all()  # greedy choices are the critic's
 
 
-def test_greedy_choice_steered_by_the_utilities():
-    """pref.steer_greedy: the behaviour's greedy choice is argmax Q + kappa u; with Q's margin
-    (1) above kappa x the utilities' (5 kappa) the critic's choice stands."""
-    S, D, n = 8, 3, 5
-    net = _FixedUtilities(S, D, n)
-    macro, micro = np.zeros((S, 1), np.float32), np.zeros((S, 1), np.float32)
-    choose = {k: Explorer(S, D, np.zeros(S), np.random.default_rng(0), greedy_weight=k).act(net, macro, micro)[0]
-              for k in (0.0, 0.1, 0.5)}
-    assert (choose[0.0] == 0).all() and (choose[0.1] == 0).all()
-    assert (choose[0.5] == n - 1).all()
-    ex = Explorer(S, D, np.zeros(S), np.random.default_rng(0), greedy_weight=0.5)
-    assert ex.wants_utilities and ex.utilities is None
-    ex.act(net, macro, micro)
-    assert ex.utilities is not None  # computed in the same pass, kept for shaping
-    for bad in (-1.0, float("inf"), float("nan")):
-        with pytest.raises(ConfigError, match="pref.steer_greedy"):
-            PreferenceConfig(steer_greedy=bad)
-
-
 # -- the local trainer with feedback -----------------------------------------------------
 @pytest.mark.slow
 def test_local_trainer_with_oracle_feedback(tmp_path):
@@ -537,8 +518,7 @@ def test_local_trainer_with_oracle_feedback(tmp_path):
     cfg = apply_overrides(PRESETS["smoke"], ["pref.enabled=true", "pref.segment_decisions=4", "pref.min_pairs=4",
                                              "pref.batch_pairs=4", "pref.oracle_pairs=40", "pref.shaping=0.1",
                                              "pref.warmup_updates=5", "pref.update_every=1", "max_env_ticks=400",
-                                             "pref.oracle_pairs_per_min=6000", "minutes=2",
-                                             "pref.steer_greedy=2"])  # max_env_ticks ends it
+                                             "pref.oracle_pairs_per_min=6000", "minutes=2"])  # max_env_ticks ends it
     assert cfg.net.preference_ensemble == 3
     log = str(tmp_path / "run.log")
     tr = LocalTrainer(cfg, feedback_log=log, heldout_every=5)
@@ -552,7 +532,6 @@ def test_local_trainer_with_oracle_feedback(tmp_path):
     head1 = tr.learner.net.state_dict()
     assert any(not torch.equal(head0[k], head1[k]) for k in head0)  # the learner trained the head
     assert tr.pref_active and tr.rollout.shaping == 0.1 and tr.rollout.explorer.temperature == cfg.pref.temperature
-    assert tr.rollout.explorer.greedy_weight == 2.0
     tr.pref.close()
     _, segs, pairs = load_log(log)
     assert len(pairs) == st["oracle_ranked"] and all(p.a in segs and p.b in segs for p in pairs)
