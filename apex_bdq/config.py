@@ -486,16 +486,11 @@ class NetConfig:
     Bradley-Terry loss on ranked segment pairs); 0 = no head. Christiano et al. used 3."""
     preference_hidden: int = 64
     """Hidden width of each preference-head member's branch MLPs."""
-    quantiles: int = 0
-    """N > 0: a distributional head (quantile regression, QR-DQN: Dabney et al., AAAI 2018):
-    V and every advantage branch give N quantiles of the return, trained with the quantile
-    Huber loss (kappa = agent.huber_delta); Q is their mean, so acting, serving, the guard and
-    the preference steer read it unchanged. 0 = the expected-value head."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("preference_ensemble", "quantiles"):
+            if f.name == "preference_ensemble":
                 if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                     raise ConfigError(f"net.{f.name} must be an int >= 0, got {v!r}")
                 continue
@@ -815,7 +810,7 @@ class TrainConfig:
 _ANY = object()
 _A1 = "a1f8305"
 REMOVED_FIELDS: dict[str, dict[str, tuple[Any, str]]] = {
-    "net": {"action_band": ((), "84ed603")},
+    "net": {"quantiles": (0, "cf3bf41"), "action_band": ((), "84ed603")},
     "agent": {"warmup_uniform": (False, _A1),
               "slo_target_vs_hpa": (None, _A1), "slo_penalty_step": (_ANY, _A1), "slo_penalty_bounds": (_ANY, _A1),
               "explore_hold_mu": (0.0, _A1), "explore_max_hold": (_ANY, _A1),

@@ -11,8 +11,7 @@ when the weights load:
 - the class code (last step and mean over time of the second convolution) and the class
   embedding feed the fusion layer linearly: folded into the fusion weights and bias;
 - the value layer and the D advantage layers read the same z: one GEMM;
-- V + A_d - mean_a A_d is linear in the heads' hidden units: one GEMM gives Q [B, D*n]
-  (with a distributional head, of the quantiles' mean).
+- V + A_d - mean_a A_d is linear in the heads' hidden units: one GEMM gives Q [B, D*n].
 
 The result equals the network's Q up to float32 rounding (tests/test_inference.py checks
 both against each other on trained-like and random weights); on the 2-core VM one shard's
@@ -80,13 +79,11 @@ class FoldedQNet:
             w["hb1"] = torch.cat([v1.bias, head.b1.reshape(-1)])
             q = torch.zeros(hv + d * hh, d * n, dtype=wf.dtype)
             qb = torch.zeros(d * n, dtype=wf.dtype)
-            nq = head.N  # a distributional head's Q is the mean of its N quantiles: linear too
-            vw, vb = v2.weight.mean(0), v2.bias.mean()
             for br in range(d):  # Q_d = V + A_d - mean_a A_d, each linear in the hidden units
-                w2, b2 = head.w2[br].reshape(hh, n, nq).mean(-1), head.b2[br].reshape(n, nq).mean(-1)
-                q[:hv, br * n:(br + 1) * n] = vw[:, None]
+                w2, b2 = head.w2[br], head.b2[br]
+                q[:hv, br * n:(br + 1) * n] = v2.weight[0][:, None]
                 q[hv + br * hh:hv + (br + 1) * hh, br * n:(br + 1) * n] = w2 - w2.mean(1, keepdim=True)
-                qb[br * n:(br + 1) * n] = vb + b2 - b2.mean()
+                qb[br * n:(br + 1) * n] = v2.bias[0] + b2 - b2.mean()
             w["q"], w["qb"] = q, qb
         self.w = {name: t.detach().clone().contiguous() for name, t in w.items()}  # its own copy
 

@@ -47,54 +47,6 @@ def bdq_td_loss(q: torch.Tensor, actions: torch.Tensor, returns: torch.Tensor, d
     return loss, extras
 
 
-def bdq_quantile_td_loss(theta: torch.Tensor, actions: torch.Tensor, returns: torch.Tensor, discounts: torch.Tensor,
-                         q_next_online: torch.Tensor, theta_next_target: torch.Tensor, weights: torch.Tensor,
-                         kappa: float = 1.0, priority: str = "mean") -> tuple[torch.Tensor, dict]:
-    """The distributional BDQ loss: quantile regression (QR-DQN, Dabney et al., AAAI 2018) on
-    BDQ's n-step double-Q target averaged over branches.
-
-    theta:             [B, D, n, N] online return quantiles at s (with grad)
-    q_next_online:     [B, D, n] online Q (the quantiles' mean) at s' (selects a*)
-    theta_next_target: [B, D, n, N] target-network quantiles at s' (evaluates a*)
-    The other arguments as in `bdq_td_loss`.
-
-    Target distribution, N samples per transition:
-        y_j = R^(n) + gamma^n * (1/D) sum_d theta-_{d,j}(s', argmax_a Q_d(s', a))
-    Loss per branch: the sum over the N predicted quantiles tau_i = (2i + 1) / 2N of the mean
-    over targets j of |tau_i - 1{u_ij < 0}| Huber_kappa(u_ij) / kappa, u_ij = y_j - theta_{d,i}(s, a_d);
-    importance-weighted, averaged over branches and the batch. Priority: |mean_j y_j - Q_d(s, a_d)|
-    aggregated over branches as in `bdq_td_loss` (what the actors compute from Q)."""
-    B, D, n, N = theta.shape
-    if actions.shape != (B, D):
-        raise ValueError(f"actions must be [B={B}, D={D}], got {list(actions.shape)}")
-    for name, t in (("returns", returns), ("discounts", discounts), ("weights", weights)):
-        if t.shape != (B,):
-            raise ValueError(f"{name} must be [B={B}], got {list(t.shape)}")
-    if theta_next_target.shape != theta.shape or q_next_online.shape != (B, D, n):
-        raise ValueError(f"next-state quantiles must be {list(theta.shape)} and Q [B, D, n], got "
-                         f"{list(theta_next_target.shape)}, {list(q_next_online.shape)}")
-    if priority not in ("mean", "sum"):
-        raise ValueError(f"priority must be 'mean' or 'sum', got {priority!r}")
-    with torch.no_grad():
-        a_star = q_next_online.argmax(-1)[..., None, None].expand(B, D, 1, N)  # [B, D, 1, N]
-        th_star = theta_next_target.gather(2, a_star).squeeze(2)  # [B, D, N]
-        y = returns[:, None] + discounts[:, None] * th_star.mean(1)  # [B, N]
-    idx = actions.long()[..., None, None].expand(B, D, 1, N)
-    th = theta.gather(2, idx).squeeze(2)  # [B, D, N]
-    u = y[:, None, None, :] - th[..., None]  # [B, D, N(i), N(j)]
-    tau = (torch.arange(N, device=theta.device, dtype=theta.dtype) + 0.5) / N  # [N]
-    hub = F.huber_loss(u, torch.zeros_like(u), reduction="none", delta=kappa) / kappa
-    rho = (tau[:, None] - (u.detach() < 0).to(theta.dtype)).abs() * hub  # [B, D, N, N]
-    per_branch = rho.mean(-1).sum(-1)  # [B, D]
-    loss = (weights * per_branch.mean(-1)).mean()
-    td = (y.mean(-1)[:, None] - th.mean(-1)).detach()  # [B, D]
-    abs_td = td.abs()
-    prio = abs_td.mean(-1) if priority == "mean" else abs_td.sum(-1)
-    extras = {"priorities": prio, "td": td, "q_mean": th.detach().mean(), "target_mean": y.mean(),
-              "loss_per_sample": per_branch.detach().mean(-1)}
-    return loss, extras
-
-
 def segment_scores(u: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
     """Bradley-Terry segment scores U = sum over decisions and branches of u_d(z_t, a_t,d).
 

@@ -6,7 +6,6 @@
                            plus a class embedding)-------------------'
     z --(gradient x 1/(D+1))--> V(z) [B, 1]  and  A_d(z, .) [B, D, n]
     Q_d(s, a) = V(s) + A_d(s, a) - mean_a A_d(s, a)                      -> [B, D, n]
-    (net.quantiles = N > 0: V and A_d give N return quantiles each, Q is their mean.)
 
 The output grows linearly in D (D x n advantages + 1 value), where a flat Q head needs n^D.
 `z` is exposed (`BDQNetwork.represent`) so the preference head attaches to it:
@@ -84,12 +83,11 @@ class BranchingDuelingHead(nn.Module):
     def __init__(self, cfg: NetConfig) -> None:
         super().__init__()
         D, n, z, h = cfg.num_branches, cfg.sub_actions, cfg.z_dim, cfg.head_hidden
-        self.N = max(1, cfg.quantiles)  # outputs per (branch, sub-action): N quantiles, or 1 expected value
-        self.value = nn.Sequential(nn.Linear(z, h), nn.ReLU(), nn.Linear(h, self.N))
+        self.value = nn.Sequential(nn.Linear(z, h), nn.ReLU(), nn.Linear(h, 1))
         self.w1 = nn.Parameter(torch.empty(D, z, h))
         self.b1 = nn.Parameter(torch.zeros(D, h))
-        self.w2 = nn.Parameter(torch.empty(D, h, n * self.N))
-        self.b2 = nn.Parameter(torch.zeros(D, n * self.N))
+        self.w2 = nn.Parameter(torch.empty(D, h, n))
+        self.b2 = nn.Parameter(torch.zeros(D, n))
         for d in range(D):  # the same init as D separate nn.Linear layers
             nn.init.kaiming_uniform_(self.w1.data[d].T, a=5 ** 0.5)
             nn.init.kaiming_uniform_(self.w2.data[d].T, a=5 ** 0.5)
@@ -102,32 +100,23 @@ class BranchingDuelingHead(nn.Module):
         """Make the untrained head's greedy choice `actions` (one sub-action per branch): the
         advantage branches' output layer starts at zero (every sub-action ties, gradients still
         reach it) and the given sub-action's bias is `margin` above the others."""
-        D, n = self.b2.shape[0], self.b2.shape[1] // self.N
+        D, n = self.b2.shape
         if len(actions) != D or not all(0 <= int(a) < n for a in actions):
             raise ValueError(f"start_from needs one sub-action in [0, {n}) per branch ({D}), got {tuple(actions)!r}")
         self.w2.zero_()
         self.b2.zero_()
-        b2 = self.b2.view(D, n, self.N)  # every quantile of the chosen sub-action
         for d, a in enumerate(actions):
-            b2[d, int(a)] = margin
+            self.b2[d, int(a)] = margin
 
-    def advantages(self, z: torch.Tensor) -> torch.Tensor:  # [B, Z] -> [B, D, n] (N quantiles: [B, D, n, N])
+    def advantages(self, z: torch.Tensor) -> torch.Tensor:  # [B, Z] -> [B, D, n]
         hid = torch.relu(torch.einsum("bz,dzh->bdh", z, self.w1) + self.b1)
-        a = torch.einsum("bdh,dhn->bdn", hid, self.w2) + self.b2
-        return a if self.N == 1 else a.reshape(a.shape[0], a.shape[1], -1, self.N)
+        return torch.einsum("bdh,dhn->bdn", hid, self.w2) + self.b2
 
-    def forward(self, z: torch.Tensor, quantiles: bool = False) -> torch.Tensor:
-        """Q [B, D, n] = V(s) + A_d(s, a) - mean_a A_d(s, a); with quantiles=True (a
-        distributional head) the return quantiles [B, D, n, N] of which Q is the mean, the same
-        dueling combination per quantile."""
-        v = self.value(z)  # [B, N]
-        a = self.advantages(z)  # [B, D, n] or [B, D, n, N]
-        if self.N == 1:
-            if quantiles:
-                raise ValueError("this network has no distributional head (net.quantiles=0)")
-            return v.unsqueeze(-1) + a - a.mean(-1, keepdim=True)
-        theta = v[:, None, None, :] + a - a.mean(2, keepdim=True)  # [B, D, n, N]
-        return theta if quantiles else theta.mean(-1)
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        """Q [B, D, n] = V(s) + A_d(s, a) - mean_a A_d(s, a)."""
+        v = self.value(z)  # [B, 1]
+        a = self.advantages(z)  # [B, D, n]
+        return v.unsqueeze(-1) + a - a.mean(-1, keepdim=True)
 
 
 class PreferenceHead(nn.Module):
@@ -182,25 +171,24 @@ class BDQNetwork(nn.Module):
         self.check_obs(macro, micro)
         return self.fuse(torch.cat([self.macro(macro), self.micro(micro)], dim=-1))
 
-    def q_from_z(self, z: torch.Tensor, quantiles: bool = False) -> torch.Tensor:
+    def q_from_z(self, z: torch.Tensor) -> torch.Tensor:
         if self.grad_scale != 1.0 and z.requires_grad:
             z = _GradScale.apply(z, self.grad_scale)
-        return self.head(z, quantiles)
+        return self.head(z)
 
     def forward(self, macro: torch.Tensor, micro: torch.Tensor, pref_macro: Optional[torch.Tensor] = None,
-                pref_micro: Optional[torch.Tensor] = None, quantiles: bool = False):
-        """Q [B, D, n] (quantiles=True with a distributional head: the return quantiles
-        [B, D, n, N] instead); with pref_macro/pref_micro [Bp, ...] also the preference
+                pref_micro: Optional[torch.Tensor] = None):
+        """Q [B, D, n]; with pref_macro/pref_micro [Bp, ...] also the preference
         utilities [E, Bp, D, n] of those observations, from one encoder pass over both (one
         forward through a DDP / DeepSpeed / Accelerate wrapper, so their gradients are
         synchronised)."""
         if pref_macro is None:
-            return self.q_from_z(self.represent(macro, micro), quantiles)
+            return self.q_from_z(self.represent(macro, micro))
         if self.pref is None:
             raise ValueError("this network has no preference head (net.preference_ensemble=0)")
         b = macro.shape[0]
         z = self.represent(torch.cat([macro, pref_macro]), torch.cat([micro, pref_micro]))
-        return self.q_from_z(z[:b], quantiles), self.pref(z[b:])
+        return self.q_from_z(z[:b]), self.pref(z[b:])
 
     def utilities(self, macro: torch.Tensor, micro: torch.Tensor) -> torch.Tensor:  # -> u [E, B, D, n]
         if self.pref is None:

@@ -12,7 +12,7 @@ import torch
 
 from apex_bdq.config import AgentConfig
 from apex_bdq.messages import SampledBatch
-from apex_bdq.losses import bdq_quantile_td_loss, bdq_td_loss, preference_loss, segment_scores
+from apex_bdq.losses import bdq_td_loss, preference_loss, segment_scores
 from apex_bdq.networks import BDQNetwork, NetConfig
 
 
@@ -27,22 +27,19 @@ def batch_td_loss(forward, module: BDQNetwork, target: BDQNetwork, data: dict, w
     at weight 0, so a wrapper that expects every parameter to get a gradient (DDP, ZeRO) sees
     the same graph on every step. A non-finite loss raises, naming `where`."""
     ex_pref: dict = {}
-    dist = module.cfg.quantiles > 0  # a distributional head: the loss reads its quantiles
-    kw = {"quantiles": True} if dist else {}
     if pref_batch is not None or keep_pref_head:
         if pref_batch is not None:
             pm, pu, acts, label = pref_batch_tensors(pref_batch, data["macro"].device)
         else:
             pm, pu = data["macro"][:1], data["micro"][:1]
-        q, u = forward(data["macro"], data["micro"], pm, pu, **kw)  # [B, D, n] (or [B, D, n, N]), [E, Bp, D, n]
+        q, u = forward(data["macro"], data["micro"], pm, pu)  # [B, D, n], [E, Bp, D, n]
     else:
-        q = forward(data["macro"], data["micro"], **kw)  # [B, D, n] (or [B, D, n, N])
+        q = forward(data["macro"], data["micro"])  # [B, D, n]
     with torch.no_grad():
         q_next_online = module(data["next_macro"], data["next_micro"])
-        q_next_target = target(data["next_macro"], data["next_micro"], **kw)
-    td_loss = bdq_quantile_td_loss if dist else bdq_td_loss
-    loss, ex = td_loss(q, data["action"].long(), data["reward"], data["discount"], q_next_online, q_next_target,
-                       weights, cfg.huber_delta, priority=cfg.priority_rule)
+        q_next_target = target(data["next_macro"], data["next_micro"])
+    loss, ex = bdq_td_loss(q, data["action"].long(), data["reward"], data["discount"], q_next_online,
+                           q_next_target, weights, huber_delta=cfg.huber_delta, priority=cfg.priority_rule)
     if not torch.isfinite(loss):
         raise FloatingPointError(f"TD loss is {loss.item()} {where}: check rewards and lr")
     if pref_batch is not None:

@@ -340,30 +340,6 @@ def test_initial_policy_default_starts_from_the_platforms_default_setting():
         tr.learner.net.head.start_from((0, 1, 2))
 
 
-def test_local_trainer_with_the_distributional_head_trains_and_checkpoints(tmp_path):
-    """net.quantiles = N: the learner trains the quantiles (finite loss, the target network's
-    quantiles read), the checkpoint holds the head and loads as a policy whose Q is their mean."""
-    base = PRESETS["smoke"]
-    cfg = apply_overrides(base, ["net.quantiles=4"])
-    assert cfg.net.quantiles == 4
-    tr = LocalTrainer(cfg)
-    while tr.learner.updates < 20:
-        tr.train_tick()
-    assert np.isfinite(tr.last_loss)
-    ck = tmp_path / "q.pt"
-    tr.checkpoint(ck)
-    pol = load_policy(ck, cfg.sim)
-    assert pol.net.cfg.quantiles == 4
-    o = make_sim(cfg.sim).reset(seed=0)
-    macro, micro = torch.from_numpy(o.macro), torch.from_numpy(o.micro)
-    with torch.no_grad():
-        theta = pol.net(macro, micro, quantiles=True)
-        q = pol.net(macro, micro)
-    assert theta.shape == (cfg.sim.num_shards, cfg.net.num_branches, cfg.net.sub_actions, 4)
-    torch.testing.assert_close(q, theta.mean(-1))
-    assert (theta.std(-1) > 0).any()  # the quantiles spread: trained apart, not N copies of Q
-
-
 def test_overrides_of_nested_sections_name_the_problem():
     base = PRESETS["smoke"]
     assert apply_overrides(base, ["sim.trace.validation_fraction=0.2"]).sim.trace.validation_fraction == 0.2
@@ -413,7 +389,8 @@ def test_saved_configs_load_without_the_removed_experiments(tmp_path):
     for section, key, val, commit in (("agent", "policy_ema", 0.999, "43b3d27"),
                                       ("pref", "oracle_slo", "window", "87e2800"),
                                       ("guard", "in_training", True, "84ed603"),
-                                      ("net", "action_band", [1, 2], "84ed603")):
+                                      ("net", "action_band", [1, 2], "84ed603"),
+                                      ("net", "quantiles", 16, "cf3bf41")):
         bad = json.loads(json.dumps(later))
         bad[section][key] = val
         msg = f"{section}.{key}={val!r}, an experiment removed after commit {commit}"

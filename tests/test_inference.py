@@ -31,9 +31,8 @@ def _obs(cfg: NetConfig, b: int, seed: int):
             torch.randn(b, cfg.num_classes, cfg.history, cfg.micro_features, generator=g))
 
 
-@pytest.mark.parametrize("cfg", [V2, SMALL, dataclasses.replace(SMALL, preference_ensemble=2),
-                                 dataclasses.replace(SMALL, quantiles=5)],
-                         ids=["v2", "small", "with-preference-head", "distributional"])
+@pytest.mark.parametrize("cfg", [V2, SMALL, dataclasses.replace(SMALL, preference_ensemble=2)],
+                         ids=["v2", "small", "with-preference-head"])
 @pytest.mark.parametrize("b", [0, 1, 7, 300])
 def test_folded_equals_network(cfg, b):
     net = _net(cfg, seed=b)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from apex_bdq.config import SimConfig
-from apex_bdq.losses import bdq_quantile_td_loss, bdq_td_loss
+from apex_bdq.losses import bdq_td_loss
 from apex_bdq.networks import BDQNetwork, NetConfig
 from apex_bdq.sim import make_sim
 
@@ -111,64 +111,3 @@ def test_td_loss_rejects_mismatched_shapes():
         bdq_td_loss(q, **{**ok, "actions": torch.zeros(2, 2, dtype=torch.long)})
     with pytest.raises(ValueError, match=r"weights must be \[B=2\]"):
         bdq_td_loss(q, **{**ok, "weights": torch.ones(3)})
-
-
-def test_distributional_head_q_is_the_mean_of_its_quantiles():
-    torch.manual_seed(0)
-    cfg = NetConfig(quantiles=8, z_dim=32, head_hidden=16)
-    net = BDQNetwork(cfg)
-    macro, micro = obs(cfg, b=5)
-    theta = net(macro, micro, quantiles=True)
-    assert theta.shape == (5, cfg.num_branches, cfg.sub_actions, 8)
-    torch.testing.assert_close(net(macro, micro), theta.mean(-1))
-    # The dueling identity holds per quantile: each branch's mean over sub-actions is V's quantile.
-    torch.testing.assert_close(theta.mean(2), theta.mean(2)[:, :1].expand(-1, cfg.num_branches, -1))
-    # The initial-policy start makes every quantile of the chosen sub-action the greedy one.
-    net.head.start_from((1, 0, 4, 2))
-    assert net(macro, micro).argmax(-1).tolist() == [[1, 0, 4, 2]] * 5
-    with pytest.raises(ValueError, match="no distributional head"):
-        BDQNetwork(NetConfig())(macro, micro, quantiles=True)
-    with pytest.raises(Exception, match="net.quantiles must be an int >= 0"):
-        NetConfig(quantiles=-1)
-
-
-def test_quantile_loss_with_one_quantile_is_the_scaled_bdq_loss():
-    """N = 1 (tau = 1/2): the quantile Huber loss is 0.5 / kappa x BDQ's Huber loss, with the
-    same double-Q target and the same priorities."""
-    torch.manual_seed(1)
-    B, D, n = 6, 3, 4
-    q = torch.randn(B, D, n, 1)
-    a, R, g, w = torch.randint(0, n, (B, D)), torch.randn(B), torch.rand(B), torch.rand(B)
-    q_on, q_tg = torch.randn(B, D, n), torch.randn(B, D, n, 1)
-    l1, e1 = bdq_quantile_td_loss(q, a, R, g, q_on, q_tg, w, kappa=2.0)
-    l0, e0 = bdq_td_loss(q[..., 0], a, R, g, q_on, q_tg[..., 0], w, huber_delta=2.0)
-    torch.testing.assert_close(l1, 0.25 * l0)
-    torch.testing.assert_close(e1["priorities"], e0["priorities"])
-    with pytest.raises(ValueError, match="next-state quantiles must be"):
-        bdq_quantile_td_loss(q, a, R, g, q_on, q_tg[..., :1, :], w)
-    with pytest.raises(ValueError, match=r"actions must be \[B=6, D=3\]"):
-        bdq_quantile_td_loss(q, a[:, :2], R, g, q_on, q_tg, w)
-
-
-def test_quantiles_price_a_rare_penalty_that_a_huber_mean_misses():
-    """Returns 0 with probability 0.9 and -10 with 0.1 (a rare SLO penalty): fitted by the
-    quantile loss, the mean of 10 quantiles is the true mean -1; fitted by the Huber loss
-    (delta 1), the estimate sits near the median 0: what the distributional head is for."""
-    torch.manual_seed(2)
-    B, N = 512, 10
-    theta = torch.zeros(1, 1, 1, N, requires_grad=True)
-    q = torch.zeros(1, 1, 1, requires_grad=True)
-    opt = torch.optim.Adam([theta, q], lr=0.05)
-    zeros = torch.zeros(B)
-    a = torch.zeros(B, 1, dtype=torch.long)
-    for _ in range(1500):
-        R = torch.where(torch.rand(B) < 0.1, -10.0, 0.0)
-        lq, _ = bdq_quantile_td_loss(theta.expand(B, 1, 1, N), a, R, zeros, torch.zeros(B, 1, 1),
-                                     torch.zeros(B, 1, 1, N), torch.ones(B), kappa=1.0)
-        lh, _ = bdq_td_loss(q.expand(B, 1, 1), a, R, zeros, torch.zeros(B, 1, 1), torch.zeros(B, 1, 1),
-                            torch.ones(B), huber_delta=1.0)
-        opt.zero_grad()
-        (lq + lh).backward()
-        opt.step()
-    assert theta.mean().item() == pytest.approx(-1.0, abs=0.25)
-    assert q.item() > -0.4  # the Huber estimate, far from the mean
